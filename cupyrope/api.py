@@ -1,0 +1,94 @@
+"""The public entry point, :func:`apply_rope`."""
+
+from __future__ import annotations
+
+from .arrays import empty_like_caller, finish, host_view
+from .cpu import rotate_on_host
+from .plan import check_positions_in_cache, plan_rope
+
+
+def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=None,
+               theta=10000.0, scaling=None, interleaved=False, rotary_dim=None, inverse=False,
+               inplace=False, validate=False, seq_len=None):
+    """Rotate q (and k) by Rotary Position Embedding angles, in one kernel launch.
+
+    Parameters
+    ----------
+    q : array, shape ``(..., num_q_heads, head_dim)``
+        float16, bfloat16, float32 or float64; CuPy, torch (CUDA or CPU), JAX, NumPy or any DLPack
+        producer. Only the last dim needs stride 1: q may be a view into a fused QKV buffer, have
+        padded heads, or be a ``[B, S, H, D]`` transpose of ``[B, H, S, D]`` storage.
+    k : array, shape ``(..., num_k_heads, head_dim)``, optional
+        Same leading (token) dims and dtype as q; any number of heads (GQA, MQA).
+    positions : int32 or int64 array, optional
+        Broadcastable to ``q.shape[:-2]``: ``(T,)`` for ``(T, H, D)``, ``(S,)`` or ``(B, S)`` for
+        ``(B, S, H, D)``, ``(S, 1)`` for ``(S, B, H, D)``. None means ``arange`` along axis -3 of q.
+        Negative positions rotate backwards when angles are computed in the kernel.
+    cos_sin_cache : array, shape ``(max_position, rotary_dim)``, optional
+        vLLM/FlashInfer layout: ``[:, :rotary_dim // 2]`` cos, ``[:, rotary_dim // 2:]`` sin,
+        row ``positions[t]``. Rows outside the cache come out as NaN (never read out of bounds).
+    cos, sin : arrays, shape broadcastable to ``q.shape[:-2] + (w,)``, optional
+        Per-token tables (Hugging Face, TransformerEngine, Liger). ``w`` is ``rotary_dim`` (full
+        width: halves repeated for NeoX, pairs repeated for interleaved) or ``rotary_dim // 2``.
+        ``positions`` must then be None.
+    theta : float
+        RoPE base for angles computed in the kernel (neither table given).
+    scaling : dict, optional
+        Hugging Face ``rope_scaling`` dict: ``{"rope_type": "default"}`` or
+        ``{"rope_type": "linear", "factor": f}``.
+    interleaved : bool
+        False: NeoX pairing, dim ``j`` with ``j + rotary_dim // 2`` (``rotate_half``).
+        True: GPT-J pairing, dim ``2j`` with ``2j + 1``.
+    rotary_dim : int, optional
+        Even number of rotated dims; dims past it pass through unchanged. Defaults to head_dim for
+        computed angles, to the cache width, or to the per-token table width.
+    inverse : bool
+        Rotate by ``-angle`` (the gradient of the rotation; also un-rotates).
+    inplace : bool
+        Write into q and k and return them; otherwise return new contiguous arrays.
+    validate : bool
+        With a cache, read positions on the host and raise IndexError for rows outside it
+        (this synchronises; off by default).
+    seq_len : int, optional
+        Sequence length for length-dependent frequency schedules.
+
+    Returns
+    -------
+    q_out, or (q_out, k_out) when k is given
+        Arrays of q's type on q's device: for pair ``(x1, x2)`` at angle ``a``,
+        ``(x1 cos a - x2 sin a, x2 cos a + x1 sin a)``.
+
+    Examples
+    --------
+    >>> import numpy as np, cupyrope as cr
+    >>> q = np.random.default_rng(0).standard_normal((5, 4, 64)).astype(np.float32)
+    >>> k = np.random.default_rng(1).standard_normal((5, 1, 64)).astype(np.float32)
+    >>> q_rot, k_rot = cr.apply_rope(q, k, np.arange(5), theta=10000.0)
+    >>> q_back = cr.apply_rope(q_rot, positions=np.arange(5), inverse=True)
+    >>> bool(np.allclose(q_back, q, atol=1e-5))
+    True
+    """
+    plan = plan_rope(q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
+                     scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim,
+                     inverse=inverse, inplace=inplace, seq_len=seq_len)
+    if validate:
+        check_positions_in_cache(plan)
+
+    inputs = [plan.q] + ([plan.k] if plan.k is not None else [])
+    if plan.inplace:
+        natives, outputs = [info.obj for info in inputs], inputs
+    else:
+        made = [empty_like_caller(info, info.shape, info.dtype) for info in inputs]
+        natives, outputs = [m[0] for m in made], [m[1] for m in made]
+
+    empty = plan.num_tokens == 0 or plan.num_q_heads + plan.num_k_heads == 0
+    if not empty:
+        if plan.q.on_gpu:
+            from .launch import rotate_on_gpu
+
+            rotate_on_gpu(plan, outputs)
+        else:
+            rotate_on_host(plan, [host_view(info) for info in outputs])
+
+    results = natives if plan.inplace else [finish(info, out) for info, out in zip(inputs, natives)]
+    return results[0] if plan.k is None else (results[0], results[1])

@@ -1,0 +1,43 @@
+"""The dtypes cupyrope accepts, and the one table that maps them to C++ type names."""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:  # bfloat16 for NumPy; installed with the cuda12 / cuda13 extras
+    import ml_dtypes as _ml_dtypes
+except ImportError:  # pragma: no cover - exercised only without the extra
+    _ml_dtypes = None
+
+# C++ names used in the kernel instantiations (kernels_cu/numeric.cuh defines the 16-bit ones).
+CUDA_TYPE_NAMES = {
+    "float16": "cupyrope::half_t",
+    "bfloat16": "cupyrope::bfloat16_t",
+    "float32": "float",
+    "float64": "double",
+}
+FLOAT_DTYPES = tuple(CUDA_TYPE_NAMES)  # for q / k and for cos/sin tables alike
+POSITION_DTYPES = ("int32", "int64")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype for a dtype name (bfloat16 comes from ml_dtypes)."""
+    if name == "bfloat16":
+        if _ml_dtypes is None:
+            raise ImportError(
+                "bfloat16 arrays need the ml_dtypes package: pip install ml_dtypes "
+                "(it comes with cupyrope[cuda12] and cupyrope[cuda13])"
+            )
+        return np.dtype(_ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def dtype_name(dtype) -> str:
+    """Canonical name ('bfloat16', 'float32', ...) of a NumPy, CuPy or ml_dtypes dtype."""
+    return np.dtype(dtype).name
+
+
+def compute_dtype(name: str) -> np.dtype:
+    """Arithmetic happens in float32, or float64 for float64 arrays (as in the kernels)."""
+    return np.dtype(np.float64 if name == "float64" else np.float32)

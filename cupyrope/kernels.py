@@ -1,0 +1,241 @@
+"""Run-time compilation of the kernels in ``kernels_cu/`` through NVRTC.
+
+One specialisation table (dtype x table dtype x vector width x pairing x angle source) generates
+every ``name_expressions`` entry. A specialisation is compiled the first time it is needed on a
+device, once even when many threads ask at the same time, and memoised per (device, specialisation).
+CuPy keeps the compiled binaries on disk (``~/.cupy/kernel_cache``) keyed on the source and the
+compile options; a fingerprint of every file in ``kernels_cu/`` is one of those options, so editing a
+``.cuh`` header recompiles instead of loading a stale binary.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import importlib.resources
+import itertools
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .dtypes import CUDA_TYPE_NAMES, FLOAT_DTYPES
+
+SOURCE_FILE = "rope.cu"
+
+
+class AngleSource(enum.IntEnum):
+    """Where a kernel gets cos/sin from (the SOURCE template argument of rope_kernel)."""
+
+    CACHE_TABLE = 0  # vLLM layout [max_position, rotary_dim], row positions[t]
+    TOKEN_TABLES = 1  # cos / sin broadcastable to the token dims
+    COMPUTED = 2  # positions * inv_freq, reduced in float64 in the kernel
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One instantiation of ``cupyrope::rope_kernel``."""
+
+    dtype: str  # q / k dtype
+    table_dtype: str  # cos / sin dtype (float32 placeholder for computed angles)
+    vector: bool  # 16-byte accesses (else one element at a time)
+    interleaved: bool  # GPT-J pairing (else NeoX)
+    source: AngleSource
+
+    @property
+    def name_expression(self) -> str:
+        return (
+            f"cupyrope::rope_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
+            f"{CUDA_TYPE_NAMES[self.table_dtype]}, {str(self.vector).lower()}, "
+            f"{str(self.interleaved).lower()}, {int(self.source)}>"
+        )
+
+
+def _specialisations() -> tuple[KernelSpec, ...]:
+    specs = []
+    for dtype, vector, interleaved in itertools.product(FLOAT_DTYPES, (True, False), (False, True)):
+        for source in (AngleSource.CACHE_TABLE, AngleSource.TOKEN_TABLES):
+            for table_dtype in FLOAT_DTYPES:
+                specs.append(KernelSpec(dtype, table_dtype, vector, interleaved, source))
+        specs.append(KernelSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED))
+    return tuple(specs)
+
+
+SPECIALISATIONS: tuple[KernelSpec, ...] = _specialisations()
+
+
+def kernel_source_dir() -> Path:
+    """The folder holding the .cu/.cuh sources: package data when installed, else the checkout."""
+    try:
+        return Path(str(importlib.resources.files("cupyrope.kernels_cu")))
+    except ModuleNotFoundError:
+        # Running from a source checkout that was not pip-installed: kernels_cu/ sits beside the
+        # package, exactly as the wheel's package-dir mapping lays it out.
+        checkout = Path(__file__).resolve().parent.parent / "kernels_cu"
+        if not (checkout / SOURCE_FILE).is_file():
+            raise FileNotFoundError(
+                f"cupyrope's CUDA sources are missing: neither the installed package data "
+                f"'cupyrope.kernels_cu' nor {checkout} holds {SOURCE_FILE}; reinstall cupyrope"
+            ) from None
+        return checkout
+
+
+@functools.lru_cache(maxsize=None)
+def _read_sources() -> tuple[str, str]:
+    """(text of rope.cu, sha256 over every .cu/.cuh file in kernels_cu/)."""
+    folder = kernel_source_dir()
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        if path.suffix in (".cu", ".cuh"):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return (folder / SOURCE_FILE).read_text(), digest.hexdigest()[:16]
+
+
+def source_fingerprint() -> str:
+    return _read_sources()[1]
+
+
+def compile_options() -> tuple[str, ...]:
+    """NVRTC options shared by every specialisation (architecture is added per device)."""
+    return (
+        "--std=c++17",
+        f"-I{kernel_source_dir()}",
+        # Part of CuPy's disk-cache key: any edit to a header gives new binaries.
+        f"-DCUPYROPE_SOURCES_FINGERPRINT=0x{source_fingerprint()}",
+    )
+
+
+class CompiledKernel:
+    """A loaded kernel: its driver handle plus the objects that keep the module alive."""
+
+    __slots__ = ("spec", "device_id", "ptr", "_module", "_function")
+
+    def __init__(self, spec: KernelSpec, device_id: int, module, function):
+        self.spec = spec
+        self.device_id = device_id
+        self._module = module
+        self._function = function
+        self.ptr = function.kernel.ptr if hasattr(function, "kernel") else function.ptr
+
+
+_compiled: dict[tuple[int, KernelSpec], CompiledKernel] = {}
+_locks: dict[tuple[int, KernelSpec], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _import_cupy():
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "cupyrope needs CuPy to run on the GPU: pip install 'cupyrope[cuda13]' "
+            "(or 'cupyrope[cuda12]' for a CUDA 12 driver)"
+        ) from exc
+    return cupy
+
+
+def get_kernel(spec: KernelSpec, device_id: int) -> CompiledKernel:
+    """The compiled kernel for ``spec`` on ``device_id``, compiling it on first use."""
+    key = (device_id, spec)
+    kernel = _compiled.get(key)
+    if kernel is not None:
+        return kernel
+    with _locks_guard:
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock:  # other threads asking for the same kernel wait for this compile
+        kernel = _compiled.get(key)
+        if kernel is None:
+            kernel = _compile(spec, device_id)
+            _compiled[key] = kernel
+    return kernel
+
+
+def _compile(spec: KernelSpec, device_id: int) -> CompiledKernel:
+    cupy = _import_cupy()
+    source, _ = _read_sources()
+    with cupy.cuda.Device(device_id):
+        module = cupy.RawModule(
+            code=source, options=compile_options(), name_expressions=(spec.name_expression,)
+        )
+        try:
+            function = module.get_function(spec.name_expression)
+        except cupy.cuda.compiler.CompileException as exc:
+            raise RuntimeError(
+                f"NVRTC failed to compile {spec.name_expression} for device {device_id}:\n{exc}"
+            ) from exc
+        function.kernel  # load the module now, not on the first launch
+    return CompiledKernel(spec, device_id, module, function)
+
+
+def warmup(
+    dtypes=("bfloat16", "float16", "float32"),
+    *,
+    table_dtypes=("float32",),
+    sources=tuple(AngleSource),
+    interleaved=(False, True),
+    vector=(True, False),
+    device: int | None = None,
+) -> int:
+    """Compile chosen specialisations ahead of time; returns how many are ready.
+
+    Parameters
+    ----------
+    dtypes : iterable of str
+        q / k dtypes among ``float16``, ``bfloat16``, ``float32``, ``float64``.
+    table_dtypes : iterable of str
+        cos/sin table dtypes for the table-based angle sources.
+    sources : iterable of AngleSource or {"cache", "tables", "computed"}
+    interleaved, vector : iterables of bool
+        Pairings and access widths to compile.
+    device : int, optional
+        CUDA device ordinal; the current device by default.
+
+    Examples
+    --------
+    >>> import cupyrope as cr
+    >>> cr.warmup(dtypes=("bfloat16",), sources=("cache",), interleaved=(False,))  # doctest: +SKIP
+    2
+    """
+    cupy = _import_cupy()
+    wanted_sources = {_as_source(s) for s in sources}
+    for name, values in (("dtypes", dtypes), ("table_dtypes", table_dtypes)):
+        unknown = set(values) - set(FLOAT_DTYPES)
+        if unknown:
+            raise ValueError(f"warmup: {name} must be among {FLOAT_DTYPES}, got {sorted(unknown)}")
+    device_id = cupy.cuda.runtime.getDevice() if device is None else int(device)
+    count = 0
+    for spec in SPECIALISATIONS:
+        if (
+            spec.dtype in dtypes
+            and spec.source in wanted_sources
+            and spec.interleaved in interleaved
+            and spec.vector in vector
+            and (spec.source == AngleSource.COMPUTED or spec.table_dtype in table_dtypes)
+        ):
+            get_kernel(spec, device_id)
+            count += 1
+    return count
+
+
+_SOURCE_NAMES = {
+    "cache": AngleSource.CACHE_TABLE,
+    "tables": AngleSource.TOKEN_TABLES,
+    "computed": AngleSource.COMPUTED,
+}
+
+
+def _as_source(value) -> AngleSource:
+    if isinstance(value, AngleSource):
+        return value
+    if value in _SOURCE_NAMES:
+        return _SOURCE_NAMES[value]
+    raise ValueError(f"warmup: sources must be among {sorted(_SOURCE_NAMES)}, got {value!r}")
+
+
+def clear_cache() -> None:
+    """Forget every compiled kernel in this process (CuPy's disk cache stays)."""
+    with _locks_guard:
+        _compiled.clear()
+        _locks.clear()
+    _read_sources.cache_clear()

@@ -1,0 +1,236 @@
+"""Launch of the rope kernels for a checked plan on a CUDA device.
+
+The host work per call: merge token dims that every operand walks contiguously, decide whether the
+16-byte path applies, pick the launch geometry, pack one ``RopeParams`` struct (the kernels' single
+by-value argument, all fields 8 bytes wide) and launch on the caller's stream. Nothing here
+allocates device memory (except the float64 ``inv_freq`` of a frequency schedule, uploaded once per
+device and kept) and nothing synchronises.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .arrays import ArrayInfo, launch_stream
+from .dtypes import ITEMSIZE
+from .kernels import AngleSource, KernelSpec, _import_cupy, get_kernel
+from .plan import RopePlan
+
+MAX_TOKEN_DIMS = 4  # kMaxTokenDims in kernels_cu/rope_params.cuh
+
+_TOKEN_STRIDE_FIELDS = ("q_token_stride", "k_token_stride", "q_out_token_stride",
+                        "k_out_token_stride", "positions_token_stride", "cos_token_stride",
+                        "sin_token_stride")
+
+# Field for field the layout of cupyrope::RopeParams (kernels_cu/rope_params.cuh).
+PARAMS_DTYPE = np.dtype(
+    [(name, np.uint64) for name in ("q", "k", "q_out", "k_out", "positions", "cos", "sin",
+                                    "inv_freq")]
+    + [("num_tokens", np.int64), ("token_ndim", np.int64),
+       ("token_shape", np.int64, (MAX_TOKEN_DIMS,))]
+    + [(name, np.int64, (MAX_TOKEN_DIMS,)) for name in _TOKEN_STRIDE_FIELDS]
+    + [(name, np.int64) for name in (
+        "q_head_stride", "k_head_stride", "q_out_head_stride", "k_out_head_stride",
+        "num_q_heads", "num_k_heads", "head_dim", "rotary_dim", "table_row_stride",
+        "cos_col_stride", "sin_col_stride", "max_position", "positions_are_int64",
+        "table_vector_ok", "copy_pass_through")]
+    + [("sin_sign", np.float64), ("attention_factor", np.float64)]
+)
+
+THREADS_PER_BLOCK = 256
+
+
+def merge_token_dims(shape: tuple[int, ...], strides: list[tuple[int, ...]]):
+    """Drop size-1 token dims and merge neighbours that every operand walks contiguously.
+
+    ``strides`` holds one tuple per operand, aligned with ``shape``. Returns the merged shape and
+    strides; ``[B, S]`` of contiguous operands becomes ``[B * S]``.
+    """
+    kept = [i for i, n in enumerate(shape) if n != 1]
+    out_shape: list[int] = []
+    out_strides: list[list[int]] = [[] for _ in strides]
+    for i in kept:
+        if out_shape and all(s[-1] == st[i] * shape[i] for s, st in zip(out_strides, strides)):
+            out_shape[-1] *= shape[i]
+            for s, st in zip(out_strides, strides):
+                s[-1] = st[i]
+        else:
+            out_shape.append(shape[i])
+            for s, st in zip(out_strides, strides):
+                s.append(st[i])
+    return tuple(out_shape), [tuple(s) for s in out_strides]
+
+
+def _pairs_per_thread(itemsize: int, vector: bool, interleaved: bool) -> tuple[int, int]:
+    """(elements per access, pairs per thread and head), as Layout in kernels_cu/rope.cu."""
+    access = 16 // itemsize if vector else 1
+    pairs = max(access // 2, 1) if interleaved else access
+    return access, pairs
+
+
+def _vector_path_ok(plan: RopePlan, operands: list[ArrayInfo], token_strides, copy_pass) -> bool:
+    itemsize = ITEMSIZE[plan.q.dtype]
+    access, _ = _pairs_per_thread(itemsize, True, plan.interleaved)
+    r, half = plan.rotary_dim, plan.rotary_dim // 2
+    if (r if plan.interleaved else half) % access:
+        return False
+    if copy_pass and ((plan.head_dim - r) % access or r % access):
+        return False
+    for info, strides in zip(operands, token_strides):
+        if info.ptr % 16 or info.strides[-2] % access or any(s % access for s in strides):
+            return False
+    return True
+
+
+def _table_vector_ok(plan: RopePlan, pairs: int, cos_ptr: int, sin_ptr: int,
+                     row_strides: list[int]) -> bool:
+    table = plan.table
+    itemsize = ITEMSIZE[table.dtype]
+    align = min(16, pairs * itemsize)
+    if plan.cos_col_stride != 1 or plan.sin_col_stride != 1:
+        return False
+    if cos_ptr % align or sin_ptr % align:
+        return False
+    return all((s * itemsize) % align == 0 for s in row_strides)
+
+
+class _DeviceConstants:
+    """float64 inv_freq arrays uploaded once per (device, schedule) and kept for later calls."""
+
+    def __init__(self):
+        self._arrays: dict[tuple[int, bytes], object] = {}
+        self._lock = threading.Lock()
+
+    def inv_freq(self, device: int, values: np.ndarray) -> int:
+        key = (device, values.tobytes())
+        array = self._arrays.get(key)
+        if array is None:
+            cupy = _import_cupy()
+            with self._lock, cupy.cuda.Device(device):
+                array = cupy.asarray(values, dtype=np.float64)
+                # The upload runs on CuPy's stream and the kernel may run on another (torch's):
+                # wait once here so that no kernel can read a half-copied table.
+                cupy.cuda.get_current_stream().synchronize()
+                if len(self._arrays) > 256:
+                    self._arrays.clear()
+                self._arrays[key] = array
+        return array.data.ptr
+
+    def clear(self) -> None:
+        with self._lock:
+            self._arrays.clear()
+
+
+device_constants = _DeviceConstants()
+
+
+def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> None:
+    """Launch one kernel that rotates q (and k) of ``plan`` into ``outputs``."""
+    q_out = outputs[0]
+    k_out = outputs[1] if plan.k is not None else None
+    k = plan.k
+    none = (0,) * len(plan.token_shape)
+    operands = [plan.q] + ([k, q_out, k_out] if k is not None else [q_out])
+    operand_strides = [info.strides[:-2] for info in operands]
+    table_strides = [plan.cos_strides or none, plan.sin_strides or none]
+    shape, merged = merge_token_dims(
+        plan.token_shape, operand_strides + [plan.positions_strides or none] + table_strides)
+    if len(shape) > MAX_TOKEN_DIMS:
+        raise ValueError(
+            f"apply_rope: the token dims {plan.token_shape} of q/k/positions/tables need "
+            f"{len(shape)} strided dims after merging contiguous ones; at most {MAX_TOKEN_DIMS} are "
+            "supported: make some of them contiguous"
+        )
+    rotated_strides = merged[:len(operands)]
+    positions_strides, cos_strides, sin_strides = merged[len(operands):]
+
+    copy_pass = (not plan.inplace) and plan.rotary_dim < plan.head_dim
+    vector = _vector_path_ok(plan, operands, rotated_strides, copy_pass)
+    itemsize = ITEMSIZE[plan.q.dtype]
+    access, pairs = _pairs_per_thread(itemsize, vector, plan.interleaved)
+
+    p = np.zeros((), dtype=PARAMS_DTYPE)
+    p["q"], p["q_out"] = plan.q.ptr, q_out.ptr
+    if k is not None:
+        p["k"], p["k_out"] = k.ptr, k_out.ptr
+    p["num_tokens"] = plan.num_tokens
+    p["token_ndim"] = len(shape)
+    p["token_shape"][:len(shape)] = shape
+    names = ["q_token_stride"] + (["k_token_stride", "q_out_token_stride", "k_out_token_stride"]
+                                  if k is not None else ["q_out_token_stride"])
+    for name, strides in zip(names, rotated_strides):
+        p[name][:len(shape)] = strides
+    p["positions_token_stride"][:len(shape)] = positions_strides
+    p["q_head_stride"], p["q_out_head_stride"] = plan.q.strides[-2], q_out.strides[-2]
+    if k is not None:
+        p["k_head_stride"], p["k_out_head_stride"] = k.strides[-2], k_out.strides[-2]
+    p["num_q_heads"], p["num_k_heads"] = plan.num_q_heads, plan.num_k_heads
+    p["head_dim"], p["rotary_dim"] = plan.head_dim, plan.rotary_dim
+    p["copy_pass_through"] = copy_pass
+    p["sin_sign"] = -1.0 if plan.inverse else 1.0
+    p["attention_factor"] = plan.attention_factor
+    if plan.positions is not None:
+        p["positions"] = plan.positions.ptr
+        p["positions_are_int64"] = plan.positions.dtype == "int64"
+
+    table_dtype = "float32"
+    if plan.source == AngleSource.COMPUTED:
+        p["inv_freq"] = device_constants.inv_freq(plan.device, plan.inv_freq)
+    else:
+        table = plan.table
+        table_dtype = table.dtype
+        table_itemsize = ITEMSIZE[table_dtype]
+        if plan.source == AngleSource.CACHE_TABLE:
+            cos_ptr = table.ptr
+            sin_ptr = table.ptr + (plan.rotary_dim // 2) * table.strides[1] * table_itemsize
+            row_strides = [table.strides[0]]
+            p["table_row_stride"] = table.strides[0]
+            p["max_position"] = table.shape[0]
+        else:
+            cos_ptr, sin_ptr = plan.cos.ptr, plan.sin.ptr
+            row_strides = list(cos_strides) + list(sin_strides)
+            p["cos_token_stride"][:len(shape)] = cos_strides
+            p["sin_token_stride"][:len(shape)] = sin_strides
+        p["cos"], p["sin"] = cos_ptr, sin_ptr
+        p["cos_col_stride"], p["sin_col_stride"] = plan.cos_col_stride, plan.sin_col_stride
+        p["table_vector_ok"] = _table_vector_ok(plan, pairs, cos_ptr, sin_ptr, row_strides)
+
+    spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source)
+    kernel = get_kernel(spec, plan.device)
+    block, grid = launch_geometry(plan, access, pairs, copy_pass)
+    _launch(kernel.ptr, plan, grid, block, p)
+
+
+def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool):
+    """(block, grid): lanes over pair chunks, then heads, then tokens, ~256 threads a block."""
+    chunks = (plan.rotary_dim // 2) // pairs
+    pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
+    lanes = 1
+    while lanes < min(max(chunks, pass_chunks), 32):
+        lanes *= 2
+    heads = max(1, min(plan.num_q_heads + plan.num_k_heads, THREADS_PER_BLOCK // lanes))
+    tokens = max(1, min(64, THREADS_PER_BLOCK // (lanes * heads)))
+    blocks = min(-(-plan.num_tokens // tokens), 2**31 - 1)
+    return (lanes, heads, tokens), blocks
+
+
+def _launch(function_ptr: int, plan: RopePlan, grid: int, block, params: np.ndarray) -> None:
+    cupy = _import_cupy()
+    runtime = cupy.cuda.runtime
+    driver = cupy.cuda.driver
+    device = plan.device
+    previous = runtime.getDevice()
+    switched = previous != device
+    if switched or driver.ctxGetCurrent() == 0:
+        runtime.setDevice(device)  # also makes the primary context current on a new thread
+    try:
+        stream = launch_stream(plan.q)
+        # cuLaunchKernel takes an array of pointers, one per kernel argument; ours is the struct.
+        argv = np.array([params.ctypes.data], dtype=np.uint64)
+        driver.launchKernel(function_ptr, grid, 1, 1, block[0], block[1], block[2], 0, stream,
+                            argv.ctypes.data, 0)
+    finally:
+        if switched:
+            runtime.setDevice(previous)

@@ -1,0 +1,311 @@
+"""Argument checking: turn the arguments of ``apply_rope`` into a :class:`RopePlan` or raise.
+
+Everything that can be wrong with a call is found here, before any allocation, kernel launch or
+write: the messages name the argument, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .arrays import ArrayInfo, describe, host_view, requires_grad
+from .dtypes import FLOAT_DTYPES, POSITION_DTYPES
+from .frequencies import check_theta, rope_frequencies, scaling_type
+from .kernels import AngleSource
+
+
+@dataclass
+class RopePlan:
+    """A checked ``apply_rope`` call. Strides are in elements; token strides are aligned to
+    ``token_shape`` (0 where an operand broadcasts)."""
+
+    q: ArrayInfo
+    k: ArrayInfo | None
+    token_shape: tuple[int, ...]
+    num_q_heads: int
+    num_k_heads: int
+    head_dim: int
+    rotary_dim: int
+    interleaved: bool
+    inverse: bool
+    inplace: bool
+    source: AngleSource
+    positions: ArrayInfo | None = None  # None: arange along the last token dim
+    positions_strides: tuple[int, ...] = ()
+    cache: ArrayInfo | None = None  # cos_sin_cache, [max_position, rotary_dim]
+    cos: ArrayInfo | None = None  # per-token tables
+    sin: ArrayInfo | None = None
+    cos_strides: tuple[int, ...] = ()
+    sin_strides: tuple[int, ...] = ()
+    cos_col_stride: int = 1  # elements between the table entries of pairs j and j + 1
+    sin_col_stride: int = 1
+    inv_freq: np.ndarray | None = None  # computed angles: float64 [rotary_dim // 2]
+    attention_factor: float = 1.0
+
+    @property
+    def device(self) -> int | None:
+        return self.q.device
+
+    @property
+    def num_tokens(self) -> int:
+        return int(np.prod(self.token_shape, dtype=np.int64))
+
+    @property
+    def table(self) -> ArrayInfo | None:
+        return self.cache if self.cache is not None else self.cos
+
+
+def _bool(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"apply_rope: {name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _broadcast_strides(info: ArrayInfo, shape: tuple[int, ...], target: tuple[int, ...],
+                       strides: tuple[int, ...], name: str) -> tuple[int, ...]:
+    """Strides that index ``info`` (leading ``shape``) at every index of ``target``."""
+    extra = len(shape) - len(target)
+    if extra > 0:
+        if any(s != 1 for s in shape[:extra]):
+            raise ValueError(
+                f"apply_rope: {name} of shape {info.shape} does not broadcast to the token dims "
+                f"{target}"
+            )
+        shape, strides = shape[extra:], strides[extra:]
+    out = [0] * (len(target) - len(shape))
+    for size, stride, want in zip(shape, strides, target[len(target) - len(shape):]):
+        if size == want:
+            out.append(stride if size > 1 else 0)
+        elif size == 1:
+            out.append(0)
+        else:
+            raise ValueError(
+                f"apply_rope: {name} of shape {info.shape} does not broadcast to the token dims "
+                f"{target}"
+            )
+    return tuple(out)
+
+
+def _check_same_device(info: ArrayInfo, q: ArrayInfo, name: str) -> None:
+    if info.device != q.device:
+        raise ValueError(
+            f"apply_rope: {name} is on {info.where()} but q is on {q.where()}; all arrays of one "
+            "call must be on the same device"
+        )
+
+
+def _check_rotated(info: ArrayInfo, name: str) -> None:
+    if info.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"apply_rope: {name} must be one of {FLOAT_DTYPES}, got {info.dtype}")
+    if info.ndim < 2:
+        raise ValueError(f"apply_rope: {name} must have shape [..., heads, head_dim], got {info.shape}")
+    if info.shape[-1] > 1 and info.strides[-1] != 1:
+        raise ValueError(
+            f"apply_rope: {name} must have stride 1 in its last dim (head_dim), got strides "
+            f"{info.strides}; every other stride may be anything"
+        )
+    if requires_grad(info):
+        raise NotImplementedError(
+            f"apply_rope: {name} requires grad; autograd through apply_rope is not supported yet: "
+            "call it under torch.no_grad() or pass detached tensors"
+        )
+
+
+def _check_inplace_target(info: ArrayInfo, name: str) -> None:
+    if info.kind == "jax":
+        raise TypeError(f"apply_rope: inplace=True needs a mutable array; {name} is an immutable JAX array")
+    if not info.writable:
+        raise ValueError(f"apply_rope: inplace=True but {name} is read-only")
+    if any(stride == 0 and size > 1 for size, stride in zip(info.shape, info.strides)):
+        raise ValueError(
+            f"apply_rope: inplace=True but {name} has a zero stride (shape {info.shape}, strides "
+            f"{info.strides}), so its elements alias each other"
+        )
+
+
+def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=None,
+              theta=10000.0, scaling=None, interleaved=False, rotary_dim=None, inverse=False,
+              inplace=False, seq_len=None) -> RopePlan:
+    """Check every argument of :func:`cupyrope.apply_rope`; see it for their meaning."""
+    interleaved = _bool(interleaved, "interleaved")
+    inverse = _bool(inverse, "inverse")
+    inplace = _bool(inplace, "inplace")
+
+    qi = describe(q, "q")
+    _check_rotated(qi, "q")
+    token_shape = qi.shape[:-2]
+    head_dim = qi.shape[-1]
+
+    ki = None
+    if k is not None:
+        ki = describe(k, "k")
+        _check_rotated(ki, "k")
+        _check_same_device(ki, qi, "k")
+        if ki.dtype != qi.dtype:
+            raise TypeError(f"apply_rope: k must have q's dtype {qi.dtype}, got {ki.dtype}")
+        if ki.shape[:-2] != token_shape:
+            raise ValueError(
+                f"apply_rope: k's leading (token) dims {ki.shape[:-2]} must equal q's {token_shape}"
+            )
+        if ki.shape[-1] != head_dim:
+            raise ValueError(f"apply_rope: k's head_dim {ki.shape[-1]} must equal q's {head_dim}")
+
+    if inplace:
+        _check_inplace_target(qi, "q")
+        if ki is not None:
+            _check_inplace_target(ki, "k")
+            if ki.obj is qi.obj or (ki.on_gpu and ki.ptr == qi.ptr and qi.size > 0):
+                raise ValueError("apply_rope: inplace=True but q and k are the same array")
+
+    if cos_sin_cache is not None and (cos is not None or sin is not None):
+        raise ValueError("apply_rope: pass either cos_sin_cache or cos/sin, not both")
+    if (cos is None) != (sin is None):
+        raise ValueError("apply_rope: cos and sin must be given together")
+
+    if rotary_dim is not None:
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, np.integer)):
+            raise TypeError(f"apply_rope: rotary_dim must be an int, got {type(rotary_dim).__name__}")
+        rotary_dim = int(rotary_dim)
+
+    plan_args = dict(q=qi, k=ki, token_shape=token_shape, num_q_heads=qi.shape[-2],
+                     num_k_heads=0 if ki is None else ki.shape[-2], head_dim=head_dim,
+                     interleaved=interleaved, inverse=inverse, inplace=inplace)
+
+    if cos is not None:
+        if positions is not None:
+            raise ValueError("apply_rope: positions must be None when cos/sin tables are given")
+        plan = _plan_token_tables(plan_args, describe(cos, "cos"), describe(sin, "sin"), rotary_dim)
+    else:
+        rotary_dim, source_args = (
+            _plan_cache(describe(cos_sin_cache, "cos_sin_cache"), qi, rotary_dim)
+            if cos_sin_cache is not None
+            else _plan_computed(theta, scaling, seq_len, rotary_dim, head_dim)
+        )
+        plan = RopePlan(rotary_dim=rotary_dim, **plan_args, **source_args)
+        _plan_positions(plan, positions)
+
+    _check_rotary_dim(plan.rotary_dim, head_dim)
+    return plan
+
+
+def _check_rotary_dim(rotary_dim: int, head_dim: int) -> None:
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(
+            f"apply_rope: rotary_dim must be even with 2 <= rotary_dim <= head_dim ({head_dim}), "
+            f"got {rotary_dim}"
+        )
+
+
+def _plan_cache(cache: ArrayInfo, q: ArrayInfo, rotary_dim):
+    _check_same_device(cache, q, "cos_sin_cache")
+    if cache.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"apply_rope: cos_sin_cache must be one of {FLOAT_DTYPES}, got {cache.dtype}")
+    if cache.ndim != 2:
+        raise ValueError(
+            f"apply_rope: cos_sin_cache must have shape [max_position, rotary_dim], got {cache.shape}"
+        )
+    width = cache.shape[1]
+    if rotary_dim is None:
+        rotary_dim = width
+    if width != rotary_dim:
+        raise ValueError(
+            f"apply_rope: cos_sin_cache is {width} wide but rotary_dim is {rotary_dim}; the cache "
+            "holds rotary_dim // 2 cos then rotary_dim // 2 sin per row"
+        )
+    if width % 2:
+        raise ValueError(f"apply_rope: cos_sin_cache width must be even, got {width}")
+    return rotary_dim, dict(source=AngleSource.CACHE_TABLE, cache=cache,
+                            cos_col_stride=cache.strides[1], sin_col_stride=cache.strides[1])
+
+
+def _plan_computed(theta, scaling, seq_len, rotary_dim, head_dim):
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    check_theta(theta, "apply_rope")
+    scaling_type(scaling, "apply_rope")
+    _check_rotary_dim(rotary_dim, head_dim)
+    inv_freq, attention_factor = rope_frequencies(rotary_dim, theta=theta, scaling=scaling,
+                                                  seq_len=seq_len)
+    return rotary_dim, dict(source=AngleSource.COMPUTED, inv_freq=inv_freq,
+                            attention_factor=attention_factor)
+
+
+def _plan_positions(plan: RopePlan, positions) -> None:
+    token_shape = plan.token_shape
+    if positions is None:
+        # arange along the last token dim (axis -3 of q); one token at position 0 for [H, D].
+        plan.positions_strides = tuple(1 if i == len(token_shape) - 1 else 0
+                                       for i in range(len(token_shape)))
+        return
+    info = describe(positions, "positions")
+    if info.dtype not in POSITION_DTYPES:
+        raise TypeError(f"apply_rope: positions must be int32 or int64, got {info.dtype}")
+    _check_same_device(info, plan.q, "positions")
+    plan.positions = info
+    plan.positions_strides = _broadcast_strides(info, info.shape, token_shape, info.strides,
+                                                "positions")
+
+
+def _plan_token_tables(plan_args: dict, cos: ArrayInfo, sin: ArrayInfo, rotary_dim) -> RopePlan:
+    q = plan_args["q"]
+    for info, name in ((cos, "cos"), (sin, "sin")):
+        _check_same_device(info, q, name)
+        if info.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"apply_rope: {name} must be one of {FLOAT_DTYPES}, got {info.dtype}")
+        if info.ndim < 1:
+            raise ValueError(f"apply_rope: {name} must have a last dim of table entries, got a scalar")
+    if cos.dtype != sin.dtype:
+        raise TypeError(f"apply_rope: cos and sin must share one dtype, got {cos.dtype} and {sin.dtype}")
+    width = cos.shape[-1]
+    if sin.shape[-1] != width:
+        raise ValueError(f"apply_rope: cos and sin must be equally wide, got {width} and {sin.shape[-1]}")
+    if rotary_dim is None:
+        rotary_dim = width  # Hugging Face convention: tables are rotary_dim wide
+    if width not in (rotary_dim, rotary_dim // 2) or width < 1:
+        raise ValueError(
+            f"apply_rope: cos/sin tables must be rotary_dim ({rotary_dim}) or rotary_dim // 2 "
+            f"({rotary_dim // 2}) wide, got {width}"
+        )
+    full_width = width == rotary_dim
+    plan = RopePlan(rotary_dim=rotary_dim, source=AngleSource.TOKEN_TABLES, cos=cos, sin=sin,
+                    **plan_args)
+    token_shape = plan.token_shape
+    # Full-width interleaved tables repeat each entry twice (cos[2j] == cos[2j + 1]): read every
+    # second one. Full-width NeoX tables repeat the halves: read the first half.
+    step = 2 if (full_width and plan.interleaved) else 1
+    plan.cos_strides = _broadcast_strides(cos, cos.shape[:-1], token_shape, cos.strides[:-1], "cos")
+    plan.sin_strides = _broadcast_strides(sin, sin.shape[:-1], token_shape, sin.strides[:-1], "sin")
+    plan.cos_col_stride = cos.strides[-1] * step
+    plan.sin_col_stride = sin.strides[-1] * step
+    return plan
+
+
+def check_positions_in_cache(plan: RopePlan) -> None:
+    """validate=True: positions outside the cache raise IndexError (a host read of positions)."""
+    if plan.source != AngleSource.CACHE_TABLE:
+        return
+    max_position = plan.cache.shape[0]
+    if plan.positions is None:
+        last = plan.token_shape[-1] if plan.token_shape else 1
+        lo, hi = 0, last - 1
+        if plan.num_tokens == 0:
+            return
+    else:
+        values = _host_values(plan.positions)
+        if values.size == 0:
+            return
+        lo, hi = int(values.min()), int(values.max())
+    if lo < 0 or hi >= max_position:
+        raise IndexError(
+            f"apply_rope: positions must lie in [0, {max_position}) for a cos_sin_cache of "
+            f"{max_position} rows, got values in [{lo}, {hi}]"
+        )
+
+
+def _host_values(info: ArrayInfo) -> np.ndarray:
+    if not info.on_gpu:
+        return np.asarray(host_view(info))
+    if info.kind == "torch":
+        return info.obj.detach().cpu().numpy()
+    return info.view.get()

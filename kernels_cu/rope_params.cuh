@@ -1,0 +1,53 @@
+// The one by-value argument of every rope kernel.
+//
+// Every field is 8 bytes wide so that the layout has no padding; cupyrope/launch.py builds the
+// same layout as a NumPy structured dtype (PARAMS_DTYPE) and the test suite checks the two agree.
+// Offsets and strides are in elements, 64-bit, so tensors past 2^31 elements index correctly.
+#pragma once
+
+namespace cupyrope {
+
+constexpr int kMaxTokenDims = 4;
+
+struct RopeParams {
+  // Pointers. k / k_out are null when there is no k; positions is null for the implicit arange
+  // (then the "position offset" below is itself the position); cos / sin point at the two halves
+  // of a vLLM cache or at per-token tables; inv_freq is float64[rotary_dim / 2].
+  const void* q;
+  const void* k;
+  void* q_out;
+  void* k_out;
+  const void* positions;
+  const void* cos;
+  const void* sin;
+  const double* inv_freq;
+
+  long long num_tokens;
+  long long token_ndim;               // <= kMaxTokenDims after merging contiguous dims
+  long long token_shape[kMaxTokenDims];
+
+  long long q_token_stride[kMaxTokenDims];
+  long long k_token_stride[kMaxTokenDims];
+  long long q_out_token_stride[kMaxTokenDims];
+  long long k_out_token_stride[kMaxTokenDims];
+  long long positions_token_stride[kMaxTokenDims];
+  long long cos_token_stride[kMaxTokenDims];   // per-token tables; 0 for the cache source
+  long long sin_token_stride[kMaxTokenDims];
+
+  long long q_head_stride, k_head_stride, q_out_head_stride, k_out_head_stride;
+  long long num_q_heads, num_k_heads;
+  long long head_dim, rotary_dim;
+
+  long long table_row_stride;    // cache source: elements between the rows of two positions
+  long long cos_col_stride;      // elements between the cos entries of two consecutive pairs
+  long long sin_col_stride;
+  long long max_position;        // cache source: rows in the cache
+  long long positions_are_int64; // else int32
+  long long table_vector_ok;     // rows contiguous and aligned for vector loads
+  long long copy_pass_through;   // out of place with rotary_dim < head_dim
+
+  double sin_sign;               // -1 rotates backwards (inverse / gradient)
+  double attention_factor;       // multiplies cos and sin of in-kernel angles
+};
+
+}  // namespace cupyrope

@@ -1,0 +1,187 @@
+"""Every kernel specialisation compiles with NVRTC, without a GPU.
+
+NVRTC (the pip wheel ``nvidia-cuda-nvrtc``) and ptxas run on the host, so a machine with no GPU
+can still prove that each entry of ``cupyrope.kernels.SPECIALISATIONS`` instantiates, lowers to a
+kernel symbol and assembles for Ampere (sm_80) and Hopper (sm_90) without register spills. This
+catches template errors in the ``.cuh`` headers long before a GPU run would.
+
+All specialisations go into ONE program per architecture (about 11-13 s each here): compiling
+them one program at a time would parse the headers 144 times over.
+
+The tests skip when CuPy's NVRTC binding or libnvrtc is missing; CI sets
+``CUPYROPE_REQUIRE_NVRTC=1`` so that a broken install fails there instead of silently skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from cupyrope import kernels
+
+ARCHITECTURES = ("sm_80", "sm_90")
+
+# ptxas -v prints, per function: "N bytes stack frame, N bytes spill stores, N bytes spill loads".
+# A stack frame alone is fine (float64 range reduction of in-kernel angles needs a 40-byte local
+# array in __internal_trig_reduction_slowpathd); spills mean registers ran out and cost bandwidth.
+_ENTRY_RE = re.compile(r"Compiling entry function '([^']+)'")
+_FRAME_RE = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
+
+
+def _nvrtc_or_skip():
+    """CuPy's NVRTC binding with a loadable libnvrtc, else skip (or fail where it is required)."""
+    required = os.environ.get("CUPYROPE_REQUIRE_NVRTC", "") not in ("", "0")
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()  # loads libnvrtc now; a missing library raises here, not mid-test
+    except Exception as exc:  # ImportError, or RuntimeError/OSError from the library loader
+        reason = f"NVRTC is not usable here ({type(exc).__name__}: {exc})"
+        if required:
+            pytest.fail(f"{reason}, but CUPYROPE_REQUIRE_NVRTC is set")
+        pytest.skip(reason)
+    return nvrtc
+
+
+class CompiledProgram:
+    """What one NVRTC compile of all specialisations for one architecture produced."""
+
+    def __init__(self, arch: str, lowered: dict[str, str], cubin: bytes, log: str):
+        self.arch = arch
+        self.lowered = lowered  # name expression -> mangled kernel symbol
+        self.cubin = cubin
+        self.log = log
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def compiled(request) -> CompiledProgram:
+    nvrtc = _nvrtc_or_skip()
+    arch = request.param
+    source, _ = kernels._read_sources()
+    expressions = [spec.name_expression for spec in kernels.SPECIALISATIONS]
+
+    program = nvrtc.createProgram(source, kernels.SOURCE_FILE, [], [])
+    try:
+        for expression in expressions:
+            nvrtc.addNameExpression(program, expression)
+        options = [
+            *kernels.compile_options(),
+            f"--gpu-architecture={arch}",  # sm_XX (not compute_XX): NVRTC emits SASS, ptxas runs
+            "--ptxas-options=--verbose",  # per-function register / stack / spill report
+        ]
+        try:
+            nvrtc.compileProgram(program, options)
+        except Exception as exc:
+            pytest.fail(
+                f"NVRTC failed to compile rope.cu for {arch} ({exc}):\n"
+                f"{nvrtc.getProgramLog(program)}"
+            )
+        lowered = {e: nvrtc.getLoweredName(program, e) for e in expressions}
+        cubin = nvrtc.getCUBIN(program)
+        # The log is a C string; NVRTC's copy keeps the terminating NUL.
+        log = nvrtc.getProgramLog(program).rstrip("\x00")
+    finally:
+        nvrtc.destroyProgram(program)
+    return CompiledProgram(arch, lowered, bytes(cubin), log)
+
+
+def test_specialisation_table_is_not_empty():
+    # A vacuous table would make the compile tests pass without compiling anything.
+    assert len(kernels.SPECIALISATIONS) > 0
+    expressions = [spec.name_expression for spec in kernels.SPECIALISATIONS]
+    assert len(set(expressions)) == len(expressions), "duplicate name expressions"
+
+
+def test_every_specialisation_lowers_to_a_kernel(compiled):
+    missing = [e for e, name in compiled.lowered.items() if not name or not name.startswith("_Z")]
+    assert not missing, f"{compiled.arch}: no lowered (mangled) name for {missing}"
+    # Two expressions that lower to one symbol would mean a template argument is ignored.
+    by_symbol: dict[str, list[str]] = {}
+    for expression, name in compiled.lowered.items():
+        by_symbol.setdefault(name, []).append(expression)
+    clashes = {name: exprs for name, exprs in by_symbol.items() if len(exprs) > 1}
+    assert not clashes, f"{compiled.arch}: expressions sharing one kernel symbol: {clashes}"
+
+
+def test_cubin_is_not_empty(compiled):
+    assert len(compiled.cubin) > 0, f"{compiled.arch}: NVRTC returned an empty cubin"
+    assert compiled.cubin[:4] == b"\x7fELF", f"{compiled.arch}: the cubin is not an ELF image"
+
+
+def test_no_register_spills(compiled):
+    """ptxas reports no spill stores or loads for any entry, nor for any function it calls."""
+    frames: dict[str, list[tuple[int, int, int]]] = {}  # kernel symbol -> (stack, stores, loads)
+    entry = None
+    for line in compiled.log.splitlines():
+        match = _ENTRY_RE.search(line)
+        if match:
+            entry = match.group(1)
+            frames.setdefault(entry, [])
+            continue
+        match = _FRAME_RE.search(line)
+        if match and entry is not None:
+            # Lines for non-inlined callees (e.g. the slow trig reduction) follow their caller's
+            # "Compiling entry function" line, so they are charged to that entry.
+            frames[entry].append(tuple(int(g) for g in match.groups()))
+
+    symbols = {name: expression for expression, name in compiled.lowered.items()}
+    unreported = sorted(symbols[s] for s in symbols if not frames.get(s))
+    assert not unreported, (
+        f"{compiled.arch}: ptxas printed no stack/spill line for {unreported}; "
+        f"the log format may have changed:\n{compiled.log[:2000]}"
+    )
+    spilling = []
+    for symbol, lines in frames.items():
+        spills = [(stores, loads) for _, stores, loads in lines if stores or loads]
+        if symbol in symbols and spills:
+            amounts = ", ".join(f"{st} B stored / {ld} B loaded" for st, ld in spills)
+            spilling.append(f"{symbols[symbol]}: {amounts}")
+    assert not spilling, f"{compiled.arch}: kernels that spill registers:\n" + "\n".join(spilling)
+
+
+class SourceCopy(NamedTuple):
+    folder: Path  # writable copy of kernels_cu/ that cupyrope.kernels now reads
+    original_fingerprint: str  # fingerprint of the real kernels_cu/
+
+
+@pytest.fixture
+def source_copy(monkeypatch, tmp_path) -> SourceCopy:
+    """Point cupyrope.kernels at a writable copy of kernels_cu/; restore the real one afterwards."""
+    kernels._read_sources.cache_clear()
+    _, original_fingerprint = kernels._read_sources()
+    folder = tmp_path / "kernels_cu"
+    shutil.copytree(kernels.kernel_source_dir(), folder)
+    monkeypatch.setattr(kernels, "kernel_source_dir", lambda: folder)
+    kernels._read_sources.cache_clear()  # _read_sources memoises; forget the real folder's result
+    yield SourceCopy(folder, original_fingerprint)
+    monkeypatch.undo()
+    kernels._read_sources.cache_clear()  # and forget the copy's, so later tests see the real one
+
+
+def test_fingerprint_is_stable_for_identical_sources(source_copy):
+    # The same files in another folder give the same fingerprint: the key depends on the
+    # contents only, so an unchanged install keeps hitting CuPy's disk cache.
+    assert kernels.source_fingerprint() == source_copy.original_fingerprint
+
+
+def test_fingerprint_changes_when_a_header_changes(source_copy):
+    # The fingerprint goes into the compile options and so into CuPy's disk-cache key: if editing
+    # a header left it unchanged, a stale binary would be loaded instead of recompiling.
+    source_before, fingerprint_before = kernels._read_sources()
+    options_before = kernels.compile_options()
+
+    header = sorted(source_copy.folder.glob("*.cuh"))[0]
+    header.write_text(header.read_text() + "\n// an edit that changes no code\n")
+    kernels._read_sources.cache_clear()
+    source_after, fingerprint_after = kernels._read_sources()
+
+    assert source_after == source_before, "only the header changed, rope.cu must read the same"
+    assert fingerprint_after != fingerprint_before, f"editing {header.name} kept the fingerprint"
+    assert kernels.compile_options() != options_before, "compile options ignore the fingerprint"
