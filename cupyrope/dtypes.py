@@ -41,3 +41,22 @@ def dtype_name(dtype) -> str:
 def compute_dtype(name: str) -> np.dtype:
     """Arithmetic happens in float32, or float64 for float64 arrays (as in the kernels)."""
     return np.dtype(np.float64 if name == "float64" else np.float32)
+
+
+def round_once(values: np.ndarray, name: str) -> np.ndarray:
+    """float64 values correctly rounded (nearest even) to dtype ``name``.
+
+    NumPy/ml_dtypes cast float64 to bfloat16 and float16 through float32, rounding twice, which is
+    one ulp off for a few values. Rounding to float32 *to odd* first (truncate, then set the last
+    bit when inexact) keeps the sticky information, so the final round-to-nearest-even is exact.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    target = numpy_dtype(name)
+    if target.itemsize >= 4:
+        return values.astype(target)
+    narrow = values.astype(np.float32)
+    too_far = np.abs(narrow.astype(np.float64)) > np.abs(values)
+    narrow = np.where(too_far, np.nextafter(narrow, np.float32(0)), narrow)  # truncate toward 0
+    inexact = narrow.astype(np.float64) != values
+    bits = narrow.view(np.uint32) | inexact.astype(np.uint32)
+    return bits.view(np.float32).astype(target)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import FLOAT_DTYPES, numpy_dtype
+from .dtypes import FLOAT_DTYPES, numpy_dtype, round_once
 
 # rope_types Hugging Face defines that cupyrope does not compute yet.
 _PLANNED_ROPE_TYPES = ("dynamic", "yarn", "llama3", "longrope", "proportional")
@@ -151,7 +151,7 @@ def cos_sin_cache(max_position, rotary_dim, *, theta=10000.0, scaling=None, dtyp
         rotary_dim, theta=theta, scaling=scaling, seq_len=int(max_position)
     )
     cos, sin = cos_sin_table(np.arange(int(max_position)), inv_freq, attention_factor)
-    cache = np.concatenate([cos, sin], axis=-1).astype(numpy_dtype(dtype))
+    cache = round_once(np.concatenate([cos, sin], axis=-1), dtype)
     return _place_like(cache, like)
 
 

@@ -101,7 +101,8 @@ def _check_rotated(info: ArrayInfo, name: str) -> None:
         raise TypeError(f"apply_rope: {name} must be one of {FLOAT_DTYPES}, got {info.dtype}")
     if info.ndim < 2:
         raise ValueError(f"apply_rope: {name} must have shape [..., heads, head_dim], got {info.shape}")
-    if info.shape[-1] > 1 and info.strides[-1] != 1:
+    # Empty arrays have nothing to index (NumPy and torch may report any strides for them).
+    if info.shape[-1] > 1 and info.strides[-1] != 1 and info.size > 0:
         raise ValueError(
             f"apply_rope: {name} must have stride 1 in its last dim (head_dim), got strides "
             f"{info.strides}; every other stride may be anything"
@@ -118,7 +119,8 @@ def _check_inplace_target(info: ArrayInfo, name: str) -> None:
         raise TypeError(f"apply_rope: inplace=True needs a mutable array; {name} is an immutable JAX array")
     if not info.writable:
         raise ValueError(f"apply_rope: inplace=True but {name} is read-only")
-    if any(stride == 0 and size > 1 for size, stride in zip(info.shape, info.strides)):
+    if info.size > 0 and any(stride == 0 and size > 1
+                             for size, stride in zip(info.shape, info.strides)):
         raise ValueError(
             f"apply_rope: inplace=True but {name} has a zero stride (shape {info.shape}, strides "
             f"{info.strides}), so its elements alias each other"
@@ -216,6 +218,11 @@ def _plan_cache(cache: ArrayInfo, q: ArrayInfo, rotary_dim):
         )
     if width % 2:
         raise ValueError(f"apply_rope: cos_sin_cache width must be even, got {width}")
+    if width > q.shape[-1]:
+        raise ValueError(
+            f"apply_rope: cos_sin_cache is {width} wide, more than q's head_dim {q.shape[-1]}; "
+            "its width is rotary_dim, which must not exceed head_dim"
+        )
     return rotary_dim, dict(source=AngleSource.CACHE_TABLE, cache=cache,
                             cos_col_stride=cache.strides[1], sin_col_stride=cache.strides[1])
 
@@ -262,6 +269,11 @@ def _plan_token_tables(plan_args: dict, cos: ArrayInfo, sin: ArrayInfo, rotary_d
         raise ValueError(f"apply_rope: cos and sin must be equally wide, got {width} and {sin.shape[-1]}")
     if rotary_dim is None:
         rotary_dim = width  # Hugging Face convention: tables are rotary_dim wide
+        if width % 2 or width > q.shape[-1]:
+            raise ValueError(
+                f"apply_rope: cos/sin are {width} wide; without rotary_dim that width is the "
+                f"rotary_dim, which must be even and at most head_dim ({q.shape[-1]})"
+            )
     if width not in (rotary_dim, rotary_dim // 2) or width < 1:
         raise ValueError(
             f"apply_rope: cos/sin tables must be rotary_dim ({rotary_dim}) or rotary_dim // 2 "

@@ -1,0 +1,156 @@
+"""The wheel is pure Python and carries the CUDA sources as package data.
+
+``pip install cupyrope`` must need no compiler and no CUDA toolkit: the wheel holds the Python
+package plus ``kernels_cu/*.cu`` / ``*.cuh``, mapped to ``cupyrope/kernels_cu/`` by the
+package-dir table in pyproject.toml, where ``importlib.resources`` finds them at run time.
+
+The wheel is built once per module from a copy of the checkout (an in-tree build would leave
+``build/`` and ``*.egg-info`` in the repository) with the setuptools already installed, so the
+test needs no network. It takes a few seconds; the build is capped at 60 s.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD_TIMEOUT_S = 60
+
+# The wheel is built from the top-level files (pyproject.toml, README.md, a licence ...) and the two
+# package folders; the rest of the checkout (benchmarks, scratch data, virtual environments) has no
+# part in the wheel and could be large. Caches and earlier build outputs are left out so that
+# nothing stale leaks into the wheel.
+_PACKAGE_FOLDERS = ("cupyrope", "kernels_cu")
+_NOT_COPIED = shutil.ignore_patterns("__pycache__", "*.pyc", "build", "dist", "*.egg-info")
+
+
+def _copy_build_inputs(destination: Path) -> None:
+    destination.mkdir(parents=True)
+    for path in REPO.iterdir():
+        if path.is_file():
+            shutil.copy2(path, destination / path.name)
+    for folder in _PACKAGE_FOLDERS:
+        shutil.copytree(REPO / folder, destination / folder, ignore=_NOT_COPIED)
+
+
+class BuiltWheel:
+    def __init__(self, path: Path):
+        self.path = path
+        with zipfile.ZipFile(path) as archive:
+            self.names = set(archive.namelist())
+            self._archive_bytes = {name: archive.read(name) for name in self.names}
+
+    def read(self, name: str) -> bytes:
+        return self._archive_bytes[name]
+
+    def dist_info_file(self, filename: str) -> str:
+        (name,) = [n for n in self.names if n.endswith(f".dist-info/{filename}")]
+        return self.read(name).decode()
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> BuiltWheel:
+    # --no-build-isolation: use the installed setuptools instead of fetching one from an index.
+    pytest.importorskip("setuptools", reason="building the wheel offline needs setuptools")
+    source = tmp_path_factory.mktemp("source") / "cupyrope"
+    _copy_build_inputs(source)
+    out = tmp_path_factory.mktemp("wheelhouse")
+    command = [
+        sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+        "--wheel-dir", str(out), str(source),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}"
+    (path,) = out.glob("cupyrope-*.whl")
+    return BuiltWheel(path)
+
+
+def test_wheel_is_pure_python(wheel):
+    assert wheel.path.name == "cupyrope-0.1.0-py3-none-any.whl"
+    metadata = email.parser.Parser().parsestr(wheel.dist_info_file("WHEEL"))
+    assert metadata["Root-Is-Purelib"] == "true"
+    assert metadata.get_all("Tag") == ["py3-none-any"]
+    binaries = sorted(n for n in wheel.names if n.endswith((".so", ".pyd", ".dll", ".dylib")))
+    assert not binaries, f"a pure-Python wheel holds compiled files: {binaries}"
+
+
+def test_wheel_holds_only_the_cupyrope_package(wheel):
+    # tests/, benchmarks/ or a top-level kernels_cu/ must not be installed into site-packages.
+    stray = sorted(
+        n for n in wheel.names
+        if not n.startswith("cupyrope/") and not n.startswith("cupyrope-0.1.0.dist-info/")
+    )
+    assert not stray, f"files outside cupyrope/ in the wheel: {stray}"
+
+
+def test_wheel_ships_every_python_module(wheel):
+    modules = sorted(p.name for p in (REPO / "cupyrope").glob("*.py"))
+    assert "__init__.py" in modules
+    missing = [m for m in modules if f"cupyrope/{m}" not in wheel.names]
+    assert not missing, f"cupyrope modules missing from the wheel: {missing}"
+
+
+def test_wheel_ships_every_kernel_source(wheel):
+    sources = sorted(
+        p for p in (REPO / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh", ".py")
+    )
+    names = [p.name for p in sources]
+    assert "rope.cu" in names and "__init__.py" in names
+    assert any(name.endswith(".cuh") for name in names)
+    for path in sources:
+        member = f"cupyrope/kernels_cu/{path.name}"
+        assert member in wheel.names, f"{member} is missing from the wheel"
+        assert wheel.read(member) == path.read_bytes(), f"{member} differs from the checkout"
+
+
+def test_metadata_lists_the_extras(wheel):
+    metadata = email.parser.Parser().parsestr(wheel.dist_info_file("METADATA"))
+    assert metadata["Name"] == "cupyrope"
+    assert metadata["Version"] == "0.1.0"
+    assert metadata["Requires-Python"] == ">=3.10"
+    extras = set(metadata.get_all("Provides-Extra"))
+    assert {"cuda12", "cuda13", "test", "bench"} <= extras, f"extras are {sorted(extras)}"
+
+    requirements = metadata.get_all("Requires-Dist")
+    unconditional = [r for r in requirements if "extra ==" not in r]
+    # Installing without an extra must not pull CuPy (and its CUDA wheels) in.
+    assert [r.split(">")[0].split("=")[0].strip() for r in unconditional] == ["numpy"]
+
+    def extra(name: str) -> str:
+        return " ".join(r for r in requirements if f'extra == "{name}"' in r)
+
+    # Each CUDA extra brings CuPy and a pip NVRTC of the same major version: no toolkit needed.
+    assert "cupy-cuda13x" in extra("cuda13") and "nvidia-cuda-nvrtc" in extra("cuda13")
+    assert "cupy-cuda12x" in extra("cuda12") and "nvidia-cuda-nvrtc-cu12" in extra("cuda12")
+
+
+def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
+    # Unpacked, a pure-Python wheel is an installed package. Import it in a fresh interpreter with
+    # only that folder added to the path, so cupyrope resolves there (not to this checkout) and
+    # kernel_source_dir() must find rope.cu through importlib.resources inside the package.
+    site = tmp_path / "site-packages"
+    with zipfile.ZipFile(wheel.path) as archive:
+        archive.extractall(site)
+    probe = (
+        "import json, cupyrope, cupyrope.kernels as k\n"
+        "print(json.dumps([cupyrope.__file__, str(k.kernel_source_dir()), k._read_sources()[0]]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(site)},
+    )
+    assert result.returncode == 0, result.stderr
+    package_file, source_dir, rope_cu = json.loads(result.stdout.splitlines()[-1])
+    assert Path(package_file).is_relative_to(site), f"imported {package_file}, not the wheel's"
+    assert Path(source_dir) == site / "cupyrope" / "kernels_cu"
+    assert rope_cu == (REPO / "kernels_cu" / "rope.cu").read_text()
