@@ -18,8 +18,10 @@ __version__ = "0.1.0"
 
 def clear_cache() -> None:
     """Forget compiled kernels and uploaded frequency tables of this process."""
-    from . import kernels, launch
+    from . import api, kernels, launch
 
+    with api._recipes_lock:
+        api._recipes.clear()
     kernels.clear_cache()
     launch.device_constants.clear()
 

@@ -2,8 +2,10 @@
 
 Nothing else in cupyrope knows which framework it is serving. ``describe`` turns any supported array
 into an :class:`ArrayInfo`; ``empty_like_caller`` allocates an output of the caller's own type on the
-caller's device; ``launch_stream`` names the stream a kernel for that caller must run on;
-``host_view`` exposes a CPU array to NumPy without copying.
+caller's device; ``current_stream`` names the stream a kernel for that caller must run on (torch's
+current stream for torch tensors, CuPy's otherwise); ``host_view`` exposes a CPU array to NumPy
+without copying; ``gpu_array_key`` and ``new_gpu_output`` serve repeated calls with CUDA torch
+tensors and CuPy arrays from a few attribute reads.
 
 torch tensors are read directly (``data_ptr``, ``shape``, ``stride``, ``dtype``): a DLPack round
 trip costs ~11 us per tensor and its cross-stream synchronisation breaks CUDA graph capture.
@@ -222,17 +224,6 @@ def host_view(info: ArrayInfo) -> np.ndarray:
     return info.view
 
 
-def launch_stream(info: ArrayInfo) -> int:
-    """The stream handle a kernel for this caller runs on.
-
-    torch tensors: torch's current stream on the tensor's device. Everything else: CuPy's current
-    stream, the one DLPack imports were made visible on.
-    """
-    if info.kind == "torch":
-        return _torch().cuda.current_stream(info.device).cuda_stream
-    return _cupy().cuda.get_current_stream().ptr
-
-
 def requires_grad(info: ArrayInfo) -> bool:
     if info.kind != "torch":
         return False
@@ -241,3 +232,65 @@ def requires_grad(info: ArrayInfo) -> bool:
 
 def itemsize(info: ArrayInfo) -> int:
     return ITEMSIZE[info.dtype]
+
+
+# ----------------------------------------------------------------------------------------------
+# The repeat-call path: metadata keys, pointers and outputs for CUDA torch tensors and CuPy arrays,
+# read with a few attribute lookups (no ArrayInfo, no DLPack).
+
+_GPU_KINDS: dict[type, str] = {}  # array type -> "torch" / "cupy", filled on first sight
+
+
+def _gpu_kind(x) -> str | None:
+    kind = _GPU_KINDS.get(type(x))
+    if kind is None:
+        module = _module_of(x)
+        if module not in ("torch", "cupy"):
+            return None
+        kind = _GPU_KINDS.setdefault(type(x), module)
+    return kind
+
+
+def gpu_array_key(x):
+    """(metadata, pointer) of a CUDA torch tensor or CuPy array, else None.
+
+    The metadata is everything a launch recipe depends on: type, shape, strides, dtype, device and
+    the pointer's alignment (the 16-byte path needs 16-byte-aligned pointers). torch tensors that
+    require grad are left to the full path, which decides what to do with them.
+    """
+    kind = _gpu_kind(x)
+    if kind == "torch":
+        if x.requires_grad or not x.is_cuda:
+            return None
+        ptr = x.data_ptr()
+        return (x.shape, x.stride(), x.dtype, x.device, ptr & 15), ptr
+    if kind == "cupy":
+        ptr = x.data.ptr
+        return (x.shape, x.strides, x.dtype, x.device.id, ptr & 15), ptr
+    return None
+
+
+def new_gpu_output(like, shape):
+    """(array, pointer): a new contiguous array of ``like``'s type, dtype and device."""
+    if _gpu_kind(like) == "torch":
+        out = _torch().empty(shape, dtype=like.dtype, device=like.device)
+        return out, out.data_ptr()
+    cupy = _cupy()
+    with cupy.cuda.Device(like.device.id):
+        out = cupy.empty(shape, dtype=like.dtype)
+    return out, out.data.ptr
+
+
+def current_stream(like, device: int) -> int:
+    """The stream handle for a torch tensor or CuPy array on ``device`` (the current device)."""
+    if _gpu_kind(like) == "torch":
+        return _raw_torch_stream(device)
+    return _cupy().cuda.get_current_stream().ptr
+
+
+def _raw_torch_stream(device: int) -> int:
+    torch = _torch()
+    get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get_raw is not None:  # ~0.1 us, against ~2 us for current_stream(device).cuda_stream
+        return get_raw(device)
+    return torch.cuda.current_stream(device).cuda_stream

@@ -9,11 +9,12 @@ device and kept) and nothing synchronises.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
 
-from .arrays import ArrayInfo, launch_stream
+from .arrays import ArrayInfo, current_stream
 from .dtypes import ITEMSIZE
 from .kernels import AngleSource, KernelSpec, _import_cupy, get_kernel
 from .plan import RopePlan
@@ -40,6 +41,51 @@ PARAMS_DTYPE = np.dtype(
 )
 
 THREADS_PER_BLOCK = 256
+
+_ParamsWords = ctypes.c_uint64 * (PARAMS_DTYPE.itemsize // 8)
+_ArgumentPointers = ctypes.c_void_p * 1
+_POINTER_SLOTS = tuple(PARAMS_DTYPE.fields[name][1] // 8
+                       for name in ("q", "k", "q_out", "k_out", "positions", "cos", "sin"))
+
+
+class LaunchRecipe:
+    """Everything about a launch except the data pointers, so that a repeated call with arrays of
+    the same shapes, strides, dtypes and alignment only fills in pointers and launches."""
+
+    __slots__ = ("function_ptr", "device", "grid", "block", "template", "sin_offset", "vector",
+                 "keep_alive")
+
+    def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive):
+        self.function_ptr = function_ptr
+        self.device = device
+        self.grid = grid
+        self.block = block
+        self.template = _ParamsWords.from_buffer_copy(params.tobytes())
+        self.sin_offset = sin_offset  # cache source: sin half = cache pointer + this many bytes
+        self.vector = vector
+        self.keep_alive = keep_alive  # device constants the template points at
+
+    def launch(self, like, q, k, q_out, k_out, positions, cos, sin) -> None:
+        """Launch on ``like``'s current stream with these data pointers (0 for absent ones)."""
+        words = _ParamsWords.from_buffer_copy(self.template)
+        if self.sin_offset is not None:
+            sin = cos + self.sin_offset
+        for slot, value in zip(_POINTER_SLOTS, (q, k, q_out, k_out, positions, cos, sin)):
+            words[slot] = value
+        cupy = _import_cupy()
+        runtime, driver = cupy.cuda.runtime, cupy.cuda.driver
+        previous = runtime.getDevice()
+        switched = previous != self.device
+        if switched or driver.ctxGetCurrent() == 0:
+            runtime.setDevice(self.device)  # also makes the primary context current on a new thread
+        try:
+            # cuLaunchKernel takes an array of pointers, one per kernel argument: ours is the struct.
+            argv = _ArgumentPointers(ctypes.addressof(words))
+            driver.launchKernel(self.function_ptr, self.grid, 1, 1, *self.block, 0,
+                                current_stream(like, self.device), ctypes.addressof(argv), 0)
+        finally:
+            if switched:
+                runtime.setDevice(previous)
 
 
 def merge_token_dims(shape: tuple[int, ...], strides: list[tuple[int, ...]]):
@@ -103,7 +149,7 @@ class _DeviceConstants:
         self._arrays: dict[tuple[int, bytes], object] = {}
         self._lock = threading.Lock()
 
-    def inv_freq(self, device: int, values: np.ndarray) -> int:
+    def inv_freq(self, device: int, values: np.ndarray):
         key = (device, values.tobytes())
         array = self._arrays.get(key)
         if array is None:
@@ -116,7 +162,7 @@ class _DeviceConstants:
                 if len(self._arrays) > 256:
                     self._arrays.clear()
                 self._arrays[key] = array
-        return array.data.ptr
+        return array
 
     def clear(self) -> None:
         with self._lock:
@@ -126,8 +172,9 @@ class _DeviceConstants:
 device_constants = _DeviceConstants()
 
 
-def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> None:
-    """Launch one kernel that rotates q (and k) of ``plan`` into ``outputs``."""
+def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
+    """Launch one kernel that rotates q (and k) of ``plan`` into ``outputs``; returns the recipe
+    that repeats this launch for other arrays of the same layout."""
     q_out = outputs[0]
     k_out = outputs[1] if plan.k is not None else None
     k = plan.k
@@ -152,9 +199,6 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> None:
     access, pairs = _pairs_per_thread(itemsize, vector, plan.interleaved)
 
     p = np.zeros((), dtype=PARAMS_DTYPE)
-    p["q"], p["q_out"] = plan.q.ptr, q_out.ptr
-    if k is not None:
-        p["k"], p["k_out"] = k.ptr, k_out.ptr
     p["num_tokens"] = plan.num_tokens
     p["token_ndim"] = len(shape)
     p["token_shape"][:len(shape)] = shape
@@ -172,19 +216,22 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> None:
     p["sin_sign"] = -1.0 if plan.inverse else 1.0
     p["attention_factor"] = plan.attention_factor
     if plan.positions is not None:
-        p["positions"] = plan.positions.ptr
         p["positions_are_int64"] = plan.positions.dtype == "int64"
 
     table_dtype = "float32"
+    cos_ptr = sin_ptr = 0
+    sin_offset = keep_alive = None
     if plan.source == AngleSource.COMPUTED:
-        p["inv_freq"] = device_constants.inv_freq(plan.device, plan.inv_freq)
+        keep_alive = device_constants.inv_freq(plan.device, plan.inv_freq)
+        p["inv_freq"] = keep_alive.data.ptr
     else:
         table = plan.table
         table_dtype = table.dtype
         table_itemsize = ITEMSIZE[table_dtype]
         if plan.source == AngleSource.CACHE_TABLE:
             cos_ptr = table.ptr
-            sin_ptr = table.ptr + (plan.rotary_dim // 2) * table.strides[1] * table_itemsize
+            sin_offset = (plan.rotary_dim // 2) * table.strides[1] * table_itemsize
+            sin_ptr = table.ptr + sin_offset
             row_strides = [table.strides[0]]
             p["table_row_stride"] = table.strides[0]
             p["max_position"] = table.shape[0]
@@ -193,14 +240,17 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> None:
             row_strides = list(cos_strides) + list(sin_strides)
             p["cos_token_stride"][:len(shape)] = cos_strides
             p["sin_token_stride"][:len(shape)] = sin_strides
-        p["cos"], p["sin"] = cos_ptr, sin_ptr
         p["cos_col_stride"], p["sin_col_stride"] = plan.cos_col_stride, plan.sin_col_stride
         p["table_vector_ok"] = _table_vector_ok(plan, pairs, cos_ptr, sin_ptr, row_strides)
 
     spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source)
     kernel = get_kernel(spec, plan.device)
     block, grid = launch_geometry(plan, access, pairs, copy_pass)
-    _launch(kernel.ptr, plan, grid, block, p)
+    recipe = LaunchRecipe(kernel.ptr, plan.device, grid, block, p, sin_offset, vector, keep_alive)
+    recipe.launch(plan.q.obj, plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr,
+                  0 if k is None else k_out.ptr,
+                  0 if plan.positions is None else plan.positions.ptr, cos_ptr, sin_ptr)
+    return recipe
 
 
 def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool):
@@ -214,23 +264,3 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool):
     tokens = max(1, min(64, THREADS_PER_BLOCK // (lanes * heads)))
     blocks = min(-(-plan.num_tokens // tokens), 2**31 - 1)
     return (lanes, heads, tokens), blocks
-
-
-def _launch(function_ptr: int, plan: RopePlan, grid: int, block, params: np.ndarray) -> None:
-    cupy = _import_cupy()
-    runtime = cupy.cuda.runtime
-    driver = cupy.cuda.driver
-    device = plan.device
-    previous = runtime.getDevice()
-    switched = previous != device
-    if switched or driver.ctxGetCurrent() == 0:
-        runtime.setDevice(device)  # also makes the primary context current on a new thread
-    try:
-        stream = launch_stream(plan.q)
-        # cuLaunchKernel takes an array of pointers, one per kernel argument; ours is the struct.
-        argv = np.array([params.ctypes.data], dtype=np.uint64)
-        driver.launchKernel(function_ptr, grid, 1, 1, block[0], block[1], block[2], 0, stream,
-                            argv.ctypes.data, 0)
-    finally:
-        if switched:
-            runtime.setDevice(previous)

@@ -23,6 +23,7 @@ __all__ = [
     "TOLERANCES",
     "C_COMPUTE",
     "ANGLE_EPS",
+    "np_dtype",
     "dtype_name",
     "ulp",
     "unit_roundoff",
@@ -47,8 +48,17 @@ C_COMPUTE = 4.0  # a handful of roundings in x1*cos - x2*sin (and in forming cos
 ANGLE_EPS = 2.0**-50  # the reference's own float64 angle pos*inv_freq is only known to a few ulps
 
 
+def np_dtype(name) -> np.dtype:
+    """np.dtype for a dtype name ("bfloat16" comes from ml_dtypes)."""
+    if str(name) == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 def dtype_name(dtype) -> str:
-    name = np.dtype(dtype).name
+    name = np_dtype(dtype).name
     if name not in TOLERANCES:
         raise KeyError(f"no tolerance for dtype {name}")
     return name
@@ -69,7 +79,7 @@ def ulp(magnitude, dtype) -> np.ndarray:
     entry = TOLERANCES[dtype_name(dtype)]
     a = np.abs(np.asarray(magnitude, dtype=np.float64))
     _, e2 = np.frexp(np.where(np.isfinite(a), a, 0.0))  # a = m * 2**e2, m in [0.5, 1)
-    exponent = np.maximum(e2 - 1, entry["min_exponent"])
+    exponent = np.where(a > 0, np.maximum(e2 - 1, entry["min_exponent"]), entry["min_exponent"])
     return np.ldexp(1.0, exponent - entry["mantissa_bits"])
 
 

@@ -1,0 +1,94 @@
+"""Shared fixtures: reproducible random data, the ``gpu`` marker, and the interop requirement check.
+
+- ``rng``: a NumPy Generator seeded from the test's node id (so a failure reproduces with the same data);
+  set CUPYROPE_TEST_SEED to mix another value in and draw different data.
+- ``randn(shape, dtype)``: N(0, 1) values in any float dtype (bfloat16 through ml_dtypes), never zeros.
+- ``@pytest.mark.gpu``: skipped unless ``cupy.is_available()``.
+- CUPYROPE_REQUIRE_INTEROP="torch,jax,...": the session fails at start if one of them cannot be imported,
+  so that CI cannot silently skip the interop tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import sys
+
+import numpy as np
+import pytest
+
+# tests/ importable: ``from reference import ...`` and ``from tolerances import ...`` in every test file.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tolerances import np_dtype  # noqa: E402
+
+REQUIRE_INTEROP_ENV = "CUPYROPE_REQUIRE_INTEROP"
+
+
+def random_array(rng: np.random.Generator, shape, dtype="float32") -> np.ndarray:
+    """N(0, 1) values rounded to ``dtype``; exact zeros are replaced so no element is ever 0."""
+    values = rng.standard_normal(shape)
+    values = np.where(np.abs(values) < 1e-3, np.copysign(0.5, values), values)
+    return values.astype(np_dtype(dtype))
+
+
+def _cupy_available() -> bool:
+    try:
+        import cupy
+    except ImportError:
+        return False
+    try:
+        return bool(cupy.is_available())
+    except Exception:  # a broken driver counts as no GPU
+        return False
+
+
+def _required_interop() -> list[str]:
+    raw = os.environ.get(REQUIRE_INTEROP_ENV, "")
+    return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU with CuPy (skipped when cupy.is_available() is false)")
+    missing = []
+    for name in _required_interop():
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # ImportError, or a package that breaks at import
+            missing.append(f"{name} ({type(exc).__name__}: {exc})")
+    if missing:
+        pytest.exit(
+            f"{REQUIRE_INTEROP_ENV}={os.environ[REQUIRE_INTEROP_ENV]!r} requires these packages, which cannot be "
+            f"imported: {', '.join(missing)}. Install them, or unset {REQUIRE_INTEROP_ENV}.",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+
+
+def pytest_collection_modifyitems(config, items):
+    if any(item.get_closest_marker("gpu") for item in items) and not _cupy_available():
+        skip = pytest.mark.skip(reason="needs CuPy and a CUDA GPU (cupy.is_available() is false)")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
+
+
+def _seed_for(nodeid: str) -> int:
+    text = nodeid + "|" + os.environ.get("CUPYROPE_TEST_SEED", "")
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A Generator seeded from this test's node id (and CUPYROPE_TEST_SEED when set)."""
+    return np.random.default_rng(_seed_for(request.node.nodeid))
+
+
+@pytest.fixture
+def randn(rng):
+    """randn(shape, dtype="float32") -> NumPy array of N(0, 1) values (no zeros) in that dtype."""
+
+    def make(shape, dtype="float32"):
+        return random_array(rng, shape, dtype)
+
+    return make
