@@ -253,6 +253,13 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
     return recipe
 
 
+# With many tokens each thread rotates about this many heads: cos/sin are fetched or computed once
+# per thread and reused, and the heads divide evenly over the head lanes. With few tokens (decode)
+# every head gets its own thread instead, to put enough threads on the GPU.
+HEADS_PER_THREAD = 8
+MANY_TOKENS = 1024
+
+
 def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool):
     """(block, grid): lanes over pair chunks, then heads, then tokens, ~256 threads a block."""
     chunks = (plan.rotary_dim // 2) // pairs
@@ -260,7 +267,11 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool):
     lanes = 1
     while lanes < min(max(chunks, pass_chunks), 32):
         lanes *= 2
-    heads = max(1, min(plan.num_q_heads + plan.num_k_heads, THREADS_PER_BLOCK // lanes))
+    num_heads = plan.num_q_heads + plan.num_k_heads
+    head_lanes = num_heads
+    if plan.num_tokens >= MANY_TOKENS:
+        head_lanes = -(-num_heads // HEADS_PER_THREAD)
+    heads = max(1, min(head_lanes, THREADS_PER_BLOCK // lanes))
     tokens = max(1, min(64, THREADS_PER_BLOCK // (lanes * heads)))
     blocks = min(-(-plan.num_tokens // tokens), 2**31 - 1)
     return (lanes, heads, tokens), blocks
