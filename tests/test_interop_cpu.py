@@ -188,7 +188,9 @@ def test_torch_last_dim_stride(tch, randn):
 @pytest.fixture
 def jx():
     jax = pytest.importorskip("jax")
-    return jax
+    # On a machine with a GPU, JAX puts new arrays there by default: these tests are about CPU arrays.
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield jax
 
 
 def jax_dtype_context(jax, dtype):

@@ -9,15 +9,16 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 
 def _layout_source() -> str:
-    checks = [f"static_assert(sizeof(cupyrope::RopeParams) == {PARAMS_DTYPE.itemsize}, \"size\");",
+    checks = ["using cupyrope::RopeParams;",
+              f"static_assert(sizeof(RopeParams) == {PARAMS_DTYPE.itemsize}, \"size\");",
               f"static_assert(cupyrope::kMaxTokenDims == {MAX_TOKEN_DIMS}, \"kMaxTokenDims\");"]
     for name in PARAMS_DTYPE.names:
         field, offset = PARAMS_DTYPE.fields[name][:2]
         checks.append(
-            f"static_assert(__builtin_offsetof(cupyrope::RopeParams, {name}) == {offset}, "
+            f"static_assert(__builtin_offsetof(RopeParams, {name}) == {offset}, "
             f"\"offset of {name}\");")
         checks.append(
-            f"static_assert(sizeof(((cupyrope::RopeParams*)0)->{name}) == {field.itemsize}, "
+            f"static_assert(sizeof(((RopeParams*)0)->{name}) == {field.itemsize}, "
             f"\"size of {name}\");")
     return '#include "rope_params.cuh"\n' + "\n".join(checks) + "\n"
 

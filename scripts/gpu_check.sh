@@ -1,0 +1,252 @@
+#!/usr/bin/env bash
+# GPU check of cupyrope, for the device machine (a CUDA GPU with torch, CuPy, JAX, pytest and
+# ml_dtypes preinstalled, no internet). Run it from the repository root:
+#
+#     bash scripts/gpu_check.sh
+#
+# It prints the GPU and the versions in use, installs this checkout in editable mode (or falls back
+# to PYTHONPATH), runs the whole test suite, times the first call of a new process with a cold and
+# with a warm CuPy kernel cache, runs the benchmarks if there are any, and prints a summary table
+# last. The exit status is pytest's.
+#
+# Files written to ${OUT:-/tmp}: pytest.log, pip_install.log, first_call_{cold,warm}.log, and, when
+# they run, bench.log and sanitizer_{memcheck,racecheck}.log.
+#
+# Knobs (environment):
+#   GPU_CHECK_SUITE=0             skip the test suite (e.g. for a sanitizer-only run)
+#   GPU_CHECK_BENCH=0             skip the benchmarks
+#   GPU_CHECK_BENCH_TIMEOUT=300   seconds the benchmarks may take at most
+#   GPU_CHECK_SANITIZER=1         also run tests/test_gpu.py (without the 2^31-element and thread
+#                                 tests) under compute-sanitizer memcheck and racecheck
+#   GPU_CHECK_SANITIZER_K=...     the -k expression of that run (default: "not 2p31 and not threads")
+#   CUPYROPE_REQUIRE_INTEROP      default "torch,jax": the suite fails at start if one cannot be
+#                                 imported (set it empty to let those tests skip instead)
+#   PYTHON                        interpreter (default: python)
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2  # the repository root
+OUT_DIR="${OUT:-/tmp}"
+mkdir -p "${OUT_DIR}"
+PY="${PYTHON:-python3}"  # on the device images python3 is the interpreter that has torch
+
+# JAX would otherwise take 75% of the GPU memory at its first array, starving the CuPy and torch
+# tests of the same pytest process.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export CUPYROPE_REQUIRE_INTEROP="${CUPYROPE_REQUIRE_INTEROP-torch,jax}"
+# tests/test_kernel_compile.py must fail, not skip, if NVRTC cannot be loaded here.
+export CUPYROPE_REQUIRE_NVRTC="${CUPYROPE_REQUIRE_NVRTC-1}"
+export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1
+
+section() { echo; echo "=== [${SECONDS}s] $*"; }
+
+# ------------------------------------------------------------------------------------------------
+section "GPU"
+nvidia-smi -L || echo "(nvidia-smi failed)"
+GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
+
+section "versions"
+"${PY}" - <<'EOF'
+import importlib
+import platform
+
+print(f"python     {platform.python_version()} ({platform.machine()})")
+for name in ("numpy", "ml_dtypes", "cupy", "torch", "jax", "jaxlib", "pytest", "setuptools"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name:10s} {getattr(module, '__version__', '?')}")
+    except Exception as exc:
+        print(f"{name:10s} NOT IMPORTABLE ({type(exc).__name__}: {exc})")
+try:
+    import torch
+
+    print(f"torch CUDA {torch.version.cuda}, cuda available: {torch.cuda.is_available()}")
+except Exception:
+    pass
+try:
+    import cupy
+    from cupy_backends.cuda.libs import nvrtc
+
+    rt = cupy.cuda.runtime
+
+    def _name(raw):
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    print(f"CUDA runtime {rt.runtimeGetVersion()}, driver {rt.driverGetVersion()}, "
+          f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))}, "
+          f"device 0: {_name(rt.getDeviceProperties(0)['name'])}")
+except Exception as exc:
+    print(f"CuPy CUDA details unavailable ({type(exc).__name__}: {exc})")
+try:
+    import jax
+
+    print(f"jax devices: {jax.devices()}")
+except Exception as exc:
+    print(f"jax devices unavailable ({type(exc).__name__}: {exc})")
+EOF
+if [[ -z "${GPU_NAME}" ]]; then
+    GPU_NAME="$("${PY}" -c 'import cupy; n = cupy.cuda.runtime.getDeviceProperties(0)["name"]; print(n.decode() if isinstance(n, bytes) else n)' 2>/dev/null || echo unknown)"
+fi
+
+# ------------------------------------------------------------------------------------------------
+section "install (editable, no deps, no build isolation)"
+if "${PY}" -m pip install -e . --no-deps --no-build-isolation >"${OUT_DIR}/pip_install.log" 2>&1; then
+    INSTALL="pip install -e ."
+    echo "installed"
+else
+    INSTALL="PYTHONPATH (pip install failed)"
+    echo "pip install -e . failed; its errors (pip_install.log has it all):"
+    grep -iE 'error' "${OUT_DIR}/pip_install.log" | tail -n 5
+    echo "falling back to PYTHONPATH=${PWD}"
+    export PYTHONPATH="${PWD}${PYTHONPATH:+:${PYTHONPATH}}"
+fi
+"${PY}" -c 'import cupyrope, cupyrope.kernels as k; print("cupyrope", cupyrope.__version__, "from", cupyrope.__file__); print("kernel sources:", k.kernel_source_dir())'
+
+# ------------------------------------------------------------------------------------------------
+PYTEST_STATUS=0
+SUMMARY_LINE="(suite not run)"
+if [[ "${GPU_CHECK_SUITE:-1}" != 0 ]]; then
+    section "test suite"
+    TIMEOUT_ARGS=()
+    if "${PY}" -c 'import pytest_timeout' 2>/dev/null; then
+        TIMEOUT_ARGS=(--timeout=600)
+    else
+        echo "(pytest-timeout is not installed: running without --timeout)"
+    fi
+    "${PY}" -m pytest tests -q -rs --maxfail=25 ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} -p no:cacheprovider \
+        2>&1 | tee "${OUT_DIR}/pytest.log"
+    PYTEST_STATUS=${PIPESTATUS[0]}
+    # pytest's last line, e.g. "250 passed, 3 skipped in 95.21s (0:01:35)".
+    SUMMARY_LINE="$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected)' "${OUT_DIR}/pytest.log" \
+        | grep -E ' in [0-9.]+s' | tail -n 1)"
+    echo "pytest exit status: ${PYTEST_STATUS}"
+fi
+
+count() {  # count WORD: the number before WORD in pytest's summary line, 0 when absent
+    local n
+    n="$(echo "${SUMMARY_LINE}" | grep -Eo "(^|[^a-z])[0-9]+ $1" | grep -Eo '[0-9]+' | head -n 1)"
+    echo "${n:-0}"
+}
+
+# ------------------------------------------------------------------------------------------------
+# First use in a new process: import cupyrope + first apply_rope (bf16, cache source) + sync.
+# CUDA context and inputs are made before the clock starts; they are not cupyrope's cost.
+FIRST_CALL_PY='
+import time
+import numpy as np
+import cupy as cp
+import ml_dtypes
+
+rng = np.random.default_rng(0)
+T, HQ, HK, D, MAX_POSITION = 16, 8, 2, 128, 4096
+dtype = np.dtype(ml_dtypes.bfloat16)
+def to_gpu(host):
+    return cp.asarray(host.view(np.uint16)).view(dtype)
+q_host = rng.standard_normal((T, HQ, D)).astype(dtype)
+k_host = rng.standard_normal((T, HK, D)).astype(dtype)
+positions_host = rng.integers(0, MAX_POSITION, T)
+inv_freq = 1.0 / 10000.0 ** (np.arange(0, D, 2) / D)
+angles = np.arange(MAX_POSITION)[:, None] * inv_freq
+cache_host = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+q, k = to_gpu(q_host), to_gpu(k_host)
+positions, cache = cp.asarray(positions_host), cp.asarray(cache_host)
+cp.cuda.Device().synchronize()
+
+start = time.perf_counter()
+import cupyrope as cr
+imported = time.perf_counter()
+q_out, k_out = cr.apply_rope(q, k, positions, cos_sin_cache=cache)
+cp.cuda.Device().synchronize()
+done = time.perf_counter()
+
+# Sanity: the same call on the NumPy path.
+q_ref, _ = cr.apply_rope(q_host, k_host, positions_host, cos_sin_cache=cache_host)
+got = q_out.view(cp.uint16).get().view(dtype).astype(np.float64)
+err = float(np.max(np.abs(got - q_ref.astype(np.float64))))
+print(f"RESULT import_s={imported - start:.4f} first_call_s={done - imported:.4f} "
+      f"total_s={done - start:.4f} max_err_vs_numpy={err:.3g}")
+'
+
+first_call() {  # first_call LABEL CACHE_DIR -> prints total seconds (or "failed")
+    local label="$1" cache_dir="$2" log="${OUT_DIR}/first_call_$1.log" t0 t1
+    t0="$(date +%s.%N)"
+    CUPY_CACHE_DIR="${cache_dir}" "${PY}" -c "${FIRST_CALL_PY}" >"${log}" 2>&1
+    local status=$?
+    t1="$(date +%s.%N)"
+    echo "process wall time (python start to exit): $(awk "BEGIN { printf \"%.3f\", ${t1} - ${t0} }") s" >>"${log}"
+    if [[ ${status} -ne 0 ]]; then
+        echo "failed (exit ${status}, see first_call_${label}.log)"
+        return
+    fi
+    sed -n 's/.*total_s=\([0-9.]*\).*/\1/p' "${log}" | tail -n 1
+}
+
+section "first call in a fresh process"
+COLD_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/cupyrope_cold_cache.XXXXXX")"
+COLD_S="$(first_call cold "${COLD_CACHE_DIR}")"
+echo "cold CuPy cache (${COLD_CACHE_DIR}):"
+cat "${OUT_DIR}/first_call_cold.log"
+echo "files in the cache after it: $(find "${COLD_CACHE_DIR}" -type f | wc -l)"
+WARM_S="$(first_call warm "${COLD_CACHE_DIR}")"
+echo "warm CuPy cache (same folder, new process):"
+cat "${OUT_DIR}/first_call_warm.log"
+rm -rf "${COLD_CACHE_DIR}"
+
+# ------------------------------------------------------------------------------------------------
+BENCH="not run (no benchmarks/)"
+if [[ "${GPU_CHECK_BENCH:-1}" == 0 ]]; then
+    BENCH="skipped (GPU_CHECK_BENCH=0)"
+elif [[ -d benchmarks ]] && ! grep -rlq --include='*.py' -E '^\s*def test_' benchmarks 2>/dev/null; then
+    BENCH="not run (no tests in benchmarks/)"
+elif [[ -d benchmarks ]] && ! "${PY}" -c 'import pytest_benchmark' 2>/dev/null; then
+    BENCH="not run (pytest-benchmark is not installed)"
+elif [[ -d benchmarks ]]; then
+    section "benchmarks"
+    budget="${GPU_CHECK_BENCH_TIMEOUT:-300}"
+    timeout --signal=INT --kill-after=30 "${budget}" \
+        "${PY}" -m pytest benchmarks --benchmark-only -q -p no:cacheprovider 2>&1 \
+        | tee "${OUT_DIR}/bench.log"
+    bench_status=${PIPESTATUS[0]}
+    BENCH="exit ${bench_status}$([[ ${bench_status} -eq 124 ]] && echo " (timed out after ${budget}s)"), see bench.log"
+fi
+
+# ------------------------------------------------------------------------------------------------
+MEMCHECK="not run"
+RACECHECK="not run"
+if [[ "${GPU_CHECK_SANITIZER:-0}" == 1 ]]; then
+    if command -v compute-sanitizer >/dev/null 2>&1; then
+        for tool in memcheck racecheck; do
+            section "compute-sanitizer --tool ${tool}"
+            # One cudaMalloc per array (no CuPy pool) so that memcheck sees every array's bounds.
+            CUPYROPE_TEST_NO_POOL=1 compute-sanitizer --tool "${tool}" --print-limit 20 \
+                "${PY}" -m pytest tests/test_gpu.py -q -x -p no:cacheprovider \
+                -k "${GPU_CHECK_SANITIZER_K:-not 2p31 and not threads}" 2>&1 \
+                | tee "${OUT_DIR}/sanitizer_${tool}.log"
+            status=${PIPESTATUS[0]}
+            line="$(grep -E '(ERROR|RACECHECK) SUMMARY' "${OUT_DIR}/sanitizer_${tool}.log" | tail -n 1 \
+                | sed 's/^=* *//')"
+            result="${line:-no summary line} (exit ${status})"
+            if [[ ${tool} == memcheck ]]; then MEMCHECK="${result}"; else RACECHECK="${result}"; fi
+        done
+    else
+        MEMCHECK="compute-sanitizer not found"
+        RACECHECK="${MEMCHECK}"
+    fi
+fi
+
+# ------------------------------------------------------------------------------------------------
+section "summary"
+row() { printf '%-34s %s\n' "$1" "$2"; }
+seconds() { if [[ "$1" =~ ^[0-9.]+$ ]]; then echo "$1 s"; else echo "${1:-failed}"; fi; }
+echo "------------------------------------------------------------------------------"
+row "GPU" "${GPU_NAME:-unknown}"
+row "install" "${INSTALL}"
+row "tests passed / failed / skipped" "$(count passed) / $(count failed) / $(count skipped)   (errors $(count 'errors?'))"
+row "pytest summary" "${SUMMARY_LINE:-(no summary line; see pytest.log)}"
+row "cold compile: import + 1st call" "$(seconds "${COLD_S}")"
+row "warm cache: import + 1st call" "$(seconds "${WARM_S}")"
+row "benchmarks" "${BENCH}"
+row "compute-sanitizer memcheck" "${MEMCHECK}"
+row "compute-sanitizer racecheck" "${RACECHECK}"
+row "pytest exit status" "${PYTEST_STATUS}"
+echo "------------------------------------------------------------------------------"
+exit "${PYTEST_STATUS}"
