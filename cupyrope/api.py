@@ -159,8 +159,8 @@ def _replay(recipe, q, k, pointers, inplace):
     if inplace:
         q_out, k_out, q_out_ptr, k_out_ptr = q, k, q_ptr, k_ptr
     else:
-        q_out, q_out_ptr = new_gpu_output(q, q.shape)
-        k_out, k_out_ptr = new_gpu_output(k, k.shape) if k is not None else (None, 0)
+        q_out, q_out_ptr = new_gpu_output(q)
+        k_out, k_out_ptr = new_gpu_output(k) if k is not None else (None, 0)
         if recipe.vector and (q_out_ptr | k_out_ptr) & 15:
             return None  # allocators align to 256 bytes; never expected, but never assumed
     recipe.launch(q, q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr or cos_ptr,

@@ -260,24 +260,26 @@ def gpu_array_key(x):
     """
     kind = _gpu_kind(x)
     if kind == "torch":
-        if x.requires_grad or not x.is_cuda:
+        device = x.get_device()  # -1 on the CPU; cheaper than x.device / x.is_cuda
+        if device < 0 or x.requires_grad:
             return None
         ptr = x.data_ptr()
-        return (x.shape, x.stride(), x.dtype, x.device, ptr & 15), ptr
+        return (x.shape, x.stride(), x.dtype, device, ptr & 15), ptr
     if kind == "cupy":
         ptr = x.data.ptr
         return (x.shape, x.strides, x.dtype, x.device.id, ptr & 15), ptr
     return None
 
 
-def new_gpu_output(like, shape):
-    """(array, pointer): a new contiguous array of ``like``'s type, dtype and device."""
+def new_gpu_output(like):
+    """(array, pointer): a new contiguous array of ``like``'s type, shape, dtype and device."""
     if _gpu_kind(like) == "torch":
-        out = _torch().empty(shape, dtype=like.dtype, device=like.device)
+        torch = _torch()
+        out = torch.empty_like(like, memory_format=torch.contiguous_format)
         return out, out.data_ptr()
     cupy = _cupy()
     with cupy.cuda.Device(like.device.id):
-        out = cupy.empty(shape, dtype=like.dtype)
+        out = cupy.empty(like.shape, dtype=like.dtype)
     return out, out.data.ptr
 
 

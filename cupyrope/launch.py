@@ -52,37 +52,44 @@ class LaunchRecipe:
     """Everything about a launch except the data pointers, so that a repeated call with arrays of
     the same shapes, strides, dtypes and alignment only fills in pointers and launches."""
 
-    __slots__ = ("function_ptr", "device", "grid", "block", "template", "sin_offset", "vector",
-                 "keep_alive")
+    __slots__ = ("function_ptr", "device", "grid", "block", "sin_offset", "vector", "keep_alive",
+                 "_words", "_argv_address", "_argv", "_lock", "_runtime", "_driver")
 
     def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive):
         self.function_ptr = function_ptr
         self.device = device
         self.grid = grid
         self.block = block
-        self.template = _ParamsWords.from_buffer_copy(params.tobytes())
         self.sin_offset = sin_offset  # cache source: sin half = cache pointer + this many bytes
         self.vector = vector
-        self.keep_alive = keep_alive  # device constants the template points at
+        self.keep_alive = keep_alive  # device constants the parameters point at
+        # The parameter block is reused: only its pointer fields change between calls, and
+        # cuLaunchKernel copies it before returning, so a lock around fill + launch suffices.
+        self._words = _ParamsWords.from_buffer_copy(params.tobytes())
+        # cuLaunchKernel takes an array of pointers, one per kernel argument: ours is the struct.
+        self._argv = _ArgumentPointers(ctypes.addressof(self._words))
+        self._argv_address = ctypes.addressof(self._argv)
+        self._lock = threading.Lock()
+        cupy = _import_cupy()
+        self._runtime, self._driver = cupy.cuda.runtime, cupy.cuda.driver
 
     def launch(self, like, q, k, q_out, k_out, positions, cos, sin) -> None:
         """Launch on ``like``'s current stream with these data pointers (0 for absent ones)."""
-        words = _ParamsWords.from_buffer_copy(self.template)
         if self.sin_offset is not None:
             sin = cos + self.sin_offset
-        for slot, value in zip(_POINTER_SLOTS, (q, k, q_out, k_out, positions, cos, sin)):
-            words[slot] = value
-        cupy = _import_cupy()
-        runtime, driver = cupy.cuda.runtime, cupy.cuda.driver
+        runtime = self._runtime
         previous = runtime.getDevice()
         switched = previous != self.device
-        if switched or driver.ctxGetCurrent() == 0:
+        if switched or self._driver.ctxGetCurrent() == 0:
             runtime.setDevice(self.device)  # also makes the primary context current on a new thread
         try:
-            # cuLaunchKernel takes an array of pointers, one per kernel argument: ours is the struct.
-            argv = _ArgumentPointers(ctypes.addressof(words))
-            driver.launchKernel(self.function_ptr, self.grid, 1, 1, *self.block, 0,
-                                current_stream(like, self.device), ctypes.addressof(argv), 0)
+            stream = current_stream(like, self.device)
+            with self._lock:
+                words = self._words
+                for slot, value in zip(_POINTER_SLOTS, (q, k, q_out, k_out, positions, cos, sin)):
+                    words[slot] = value
+                self._driver.launchKernel(self.function_ptr, self.grid, 1, 1, *self.block, 0,
+                                          stream, self._argv_address, 0)
         finally:
             if switched:
                 runtime.setDevice(previous)

@@ -9,8 +9,9 @@
 # with a warm CuPy kernel cache, runs the benchmarks if there are any, and prints a summary table
 # last. The exit status is pytest's.
 #
-# Files written to ${OUT:-/tmp}: pytest.log, pip_install.log, first_call_{cold,warm}.log, and, when
-# they run, bench.log and sanitizer_{memcheck,racecheck}.log.
+# Files written to ${OUT:-/tmp} (the device tool returns at most 8): pytest.log,
+# first_call_{cold,warm}.log, and, when they run, bench.log, bench_summary.md, sweep/ (table, JSON,
+# plot) and sanitizer_{memcheck,racecheck}.log.
 #
 # Knobs (environment):
 #   GPU_CHECK_SUITE=0             skip the test suite (e.g. for a sanitizer-only run)
@@ -89,13 +90,13 @@ fi
 
 # ------------------------------------------------------------------------------------------------
 section "install (editable, no deps, no build isolation)"
-if "${PY}" -m pip install -e . --no-deps --no-build-isolation >"${OUT_DIR}/pip_install.log" 2>&1; then
+if "${PY}" -m pip install -e . --no-deps --no-build-isolation >"/tmp/pip_install.log" 2>&1; then
     INSTALL="pip install -e ."
     echo "installed"
 else
     INSTALL="PYTHONPATH (pip install failed)"
     echo "pip install -e . failed; its errors (pip_install.log has it all):"
-    grep -iE 'error' "${OUT_DIR}/pip_install.log" | tail -n 5
+    grep -iE 'error' "/tmp/pip_install.log" | tail -n 5
     echo "falling back to PYTHONPATH=${PWD}"
     export PYTHONPATH="${PWD}${PYTHONPATH:+:${PYTHONPATH}}"
 fi
@@ -200,9 +201,12 @@ elif [[ -d benchmarks ]] && ! grep -rlq --include='*.py' -E '^\s*def test_' benc
 elif [[ -d benchmarks ]] && ! "${PY}" -c 'import pytest_benchmark' 2>/dev/null; then
     BENCH="not run (pytest-benchmark is not installed)"
 elif [[ -d benchmarks ]]; then
+    section "reference sweep (SPEC 4 shape): table, JSON and plot in ${OUT_DIR}/sweep"
+    timeout --signal=INT --kill-after=30 "${GPU_CHECK_BENCH_TIMEOUT:-300}" \
+        "${PY}" -m cupyrope.benchmarking --out "${OUT_DIR}/sweep" 2>&1 | tail -n 60
     section "benchmarks"
     budget="${GPU_CHECK_BENCH_TIMEOUT:-300}"
-    timeout --signal=INT --kill-after=30 "${budget}" \
+    CUPYROPE_BENCH_REPORT="${OUT_DIR}/bench_summary.md" timeout --signal=INT --kill-after=30 "${budget}" \
         "${PY}" -m pytest benchmarks --benchmark-only -q -p no:cacheprovider 2>&1 \
         | tee "${OUT_DIR}/bench.log"
     bench_status=${PIPESTATUS[0]}

@@ -1,0 +1,269 @@
+"""pytest-benchmark suite for cupyrope (SPEC §4), reporting GPU time.
+
+Run on a GPU machine from the repository root::
+
+    python -m pytest benchmarks --benchmark-only -q
+    python -m pytest benchmarks --benchmark-only -q --benchmark-json=bench.json   # keep the numbers
+
+Without torch, CuPy and a CUDA GPU every benchmark is skipped.
+
+How the reported time comes to be GPU time
+------------------------------------------
+pytest-benchmark times a target with a *timer* it reads before and after ``iterations`` calls,
+records ``(end - start) / iterations`` per round, and its ``benchmark`` marker accepts that timer
+per test (``@pytest.mark.benchmark(timer=...)``, a documented option). The bandwidth and graph
+benchmarks pass :data:`cupyrope.benchmarking.GPU_CLOCK`: each reading records a CUDA event on the
+current stream, and ``end - start`` synchronises on the end event and returns the GPU time between
+the events. So ``benchmark.pedantic(step, rounds=R, iterations=N)`` yields R samples of GPU time
+per call, and the min / median / mean columns pytest-benchmark prints are GPU microseconds.
+
+Before each start reading the clock enqueues a ``torch.cuda._sleep`` spin that lasts as long as the
+host needs to enqueue the N calls (measured while warming up, :func:`~cupyrope.benchmarking.plan_batches`):
+the calls then run back to back on the GPU, and a launch-bound call (small T) is timed by its GPU
+time, not by Python. N is chosen so that a round lasts ~0.5 ms of GPU time (at most 200 calls); the
+inputs rotate round-robin among enough sets that every call reads DRAM, not L2.
+
+- bandwidth benchmarks (``test_bandwidth.py``): GPU time per call;
+- decode graph benchmarks (``test_decode.py``): one iteration is a replay of a CUDA graph of 20
+  calls and the clock divides by 20, so the time is GPU time per call inside the graph;
+- host-overhead benchmarks (``test_decode.py``): the timer is ``synced_wall_clock``
+  (``torch.cuda.synchronize()`` then ``time.perf_counter()``), so one round is 300 eager calls plus
+  one synchronise, divided by 300: host time per call.
+
+``benchmark.extra_info`` holds GB/s (minimum bytes: q and k read and written once, positions and the
+cos/sin rows read), ``pct_of_copy`` (SM copy time / this time, for the SM copy of the same bytes in
+the same group) and ``max_abs_err`` against a float32 reference. ``benchmark.group`` is the shape.
+A summary with those columns is printed at the end; set ``CUPYROPE_BENCH_REPORT=path.md`` to also
+write it to a file. Peers (torch eager / torch.compile of the Hugging Face formulation, Liger,
+FlashInfer) that are not installed, or that cannot take a shape, are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+from cupyrope import benchmarking as bm
+
+ROUNDS = 10        # timed rounds per case: pytest-benchmark's statistics are over these
+HOST_ROUNDS = 5    # rounds of 300 eager calls
+REPORT_ENV = "CUPYROPE_BENCH_REPORT"
+
+_BENCH_DIR = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gpu_missing_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "the benchmarks need torch"
+    try:
+        if not torch.cuda.is_available():
+            return "the benchmarks need a CUDA GPU (torch.cuda.is_available() is False)"
+    except Exception as exc:  # a broken driver counts as no GPU
+        return f"the benchmarks need a CUDA GPU ({type(exc).__name__}: {exc})"
+    try:
+        import cupy
+
+        if not cupy.is_available():
+            return "the benchmarks need CuPy with a CUDA GPU (cupy.is_available() is False)"
+    except Exception as exc:
+        return f"the benchmarks need CuPy ({type(exc).__name__}: {exc})"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    def in_benchmarks(item) -> bool:
+        path = getattr(item, "path", None) or item.fspath  # item.path: pytest >= 7
+        return os.path.realpath(str(path)).startswith(_BENCH_DIR + os.sep)
+
+    ours = [item for item in items if in_benchmarks(item)]
+    if not ours:
+        return
+    reason = _gpu_missing_reason()
+    if reason:
+        skip = pytest.mark.skip(reason=reason)
+        for item in ours:
+            item.add_marker(skip)
+
+
+# ---- shared state: one shape's data at a time, copy times per group, the summary -------------
+
+class _SharedData:
+    """Keeps the data of the last shape only: cases of one shape are adjacent in every test list."""
+
+    def __init__(self):
+        self.key, self.data = None, None
+
+    def get(self, shape: bm.RopeShape, num_sets: int | None = None) -> bm.RopeData:
+        key = (shape, num_sets)
+        if key != self.key:
+            self.key, self.data = None, None  # free the previous shape before allocating
+            self.data = bm.RopeData(shape, num_sets=num_sets)
+            self.key = key
+        return self.data
+
+
+_DATA = _SharedData()
+_COPY_US: dict[str, float] = {}
+_RECORDS: list[dict] = []
+
+
+def _is_ours(impl: str) -> bool:
+    return impl == "copy" or impl.startswith("cupyrope")
+
+
+def _guarded(impl: str, thunk):
+    """Run ``thunk``; a peer that is unavailable or fails is skipped with the reason (ours raise)."""
+    try:
+        return thunk()
+    except bm.Unavailable as exc:
+        pytest.skip(str(exc))
+    except Exception as exc:
+        if _is_ours(impl):
+            raise
+        pytest.skip(f"{impl} failed on this shape: {type(exc).__name__}: {exc}")
+
+
+class RopeBench:
+    """Runs one case through ``benchmark.pedantic`` and fills ``extra_info`` (see module docstring)."""
+
+    def __init__(self, benchmark):
+        self.benchmark = benchmark
+
+    # -- measurements --------------------------------------------------------------------------
+
+    def bandwidth(self, shape: bm.RopeShape, impl: str, *, rounds: int = ROUNDS) -> None:
+        """GPU time per eager call, inputs rotating so that each call reads DRAM."""
+        data = _DATA.get(shape)
+        work = _guarded(impl, lambda: bm.make_workload(impl, data))
+        group = shape.label()
+        error = None if impl == "copy" else _guarded(impl, lambda: bm.max_abs_error(work, data))
+        step = work.step()
+        plan = _guarded(impl, lambda: bm.plan_batches(step))
+        self.benchmark.group = group
+        bm.GPU_CLOCK.configure(prime_us=plan.prime_us)
+        self.benchmark.pedantic(step, rounds=rounds, iterations=plan.calls, warmup_rounds=1)
+        self._report(group, shape, impl, work, error, plan, copy=lambda: self._copy_eager(data))
+
+    def graph(self, tokens: int, impl: str, *, rounds: int = ROUNDS) -> None:
+        """GPU time per call inside a CUDA graph of 20 back-to-back calls (decode)."""
+        shape = bm.RopeShape(tokens=tokens)
+        data = _DATA.get(shape, num_sets=bm.GRAPH_CALLS)
+        work = _guarded(impl, lambda: bm.make_workload(impl, data))
+        group = f"decode, CUDA graph of {bm.GRAPH_CALLS} calls: {shape.label()}"
+        error = None if impl == "copy" else _guarded(impl, lambda: bm.max_abs_error(work, data))
+        captured = _guarded(impl, lambda: bm.capture_graph(work.fn, rotate_inputs=work.arg_sets))
+        plan = _guarded(impl, lambda: bm.plan_batches(captured.replay))
+        self.benchmark.group = group
+        bm.GPU_CLOCK.configure(prime_us=plan.prime_us, divisor=bm.GRAPH_CALLS)
+        self.benchmark.pedantic(captured.replay, rounds=rounds, iterations=plan.calls, warmup_rounds=1)
+        target = bm.DECODE_TARGET_US.get(tokens) if impl.startswith("cupyrope") else None
+        self._report(group, shape, impl, work, error, plan, target_us=target,
+                     copy=lambda: self._copy_graph(data))
+
+    def host(self, tokens: int, impl: str, *, rounds: int = HOST_ROUNDS) -> None:
+        """Host wall time per eager call: 300 calls, one synchronise (timer: synced_wall_clock)."""
+        import torch
+
+        shape = bm.RopeShape(tokens=tokens)
+        data = _DATA.get(shape, num_sets=bm.GRAPH_CALLS)
+        work = _guarded(impl, lambda: bm.make_workload(impl, data))
+        args = work.arg_sets[0]
+
+        def warm():
+            for _ in range(3):
+                work.fn(*args)
+            torch.cuda.synchronize()
+
+        _guarded(impl, warm)
+        group = f"host time per eager call (loop of {bm.HOST_LOOP}, one synchronise): T={tokens}"
+        self.benchmark.group = group
+        self.benchmark.pedantic(work.fn, args=args, rounds=rounds, iterations=bm.HOST_LOOP,
+                                warmup_rounds=1)
+        target = bm.HOST_TARGET_US if impl.startswith("cupyrope") else None
+        self._report(group, shape, impl, work, None, None, target_us=target, copy=None,
+                     bandwidth=False)
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def _median_us(self) -> float | None:
+        stats = getattr(self.benchmark, "stats", None)  # None under --benchmark-disable
+        return None if stats is None else stats.stats.median * 1e6
+
+    @staticmethod
+    def _copy_eager(data: bm.RopeData) -> float:
+        work = bm.make_workload("copy", data)
+        return bm.gpu_time_us(work.fn, rotate_inputs=work.arg_sets)
+
+    @staticmethod
+    def _copy_graph(data: bm.RopeData) -> float:
+        work = bm.make_workload("copy", data)
+        return bm.graph_time_us(work.fn, rotate_inputs=work.arg_sets)
+
+    def _report(self, group, shape, impl, work, error, plan, *, target_us=None, copy=None,
+                bandwidth=True) -> None:
+        us = self._median_us()
+        if us is None:
+            return
+        info = self.benchmark.extra_info
+        info.update(impl=impl, tokens=shape.tokens, dtype=shape.dtype, median_us=round(us, 3),
+                    gpu=bm.device_name())
+        if bandwidth:  # GPU time: GB/s of the minimum bytes
+            info.update(gbps=round(work.bytes_moved / us / 1e3, 1), bytes_moved=work.bytes_moved)
+        if plan is not None:
+            info.update(calls_per_round=plan.calls, host_us_per_call=round(plan.host_us, 2))
+        if copy is not None:
+            if impl == "copy":
+                _COPY_US[group] = us
+            elif group not in _COPY_US:  # the copy case was deselected: measure it now
+                _COPY_US[group] = copy()
+            info["copy_us"] = round(_COPY_US[group], 3)
+            info["pct_of_copy"] = round(100.0 * _COPY_US[group] / us, 1)
+        if error is not None:
+            info["max_abs_err"] = error
+            if not bm.error_is_acceptable(error, shape.dtype):
+                warnings.warn(f"{impl} on {group}: max abs error {error:.3g} against the float32 "
+                              f"reference exceeds {bm.CHECK_TOLERANCE[shape.dtype]}", stacklevel=2)
+        if target_us is not None:
+            info["spec_target_us"] = target_us
+            info["meets_target"] = us <= target_us
+        _RECORDS.append(dict(group=group, **info))
+
+
+@pytest.fixture
+def rope_bench(benchmark) -> RopeBench:
+    return RopeBench(benchmark)
+
+
+def _summary_lines() -> list[str]:
+    lines = ["| group | impl | µs | GB/s | % of SM copy | max abs err | SPEC target |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for r in _RECORDS:
+        err = r.get("max_abs_err")
+        err_text = "" if err is None else f"{err:.3g}"
+        if err is not None and not bm.error_is_acceptable(err, r["dtype"]):
+            err_text += " (!)"
+        pct, gbps = r.get("pct_of_copy"), r.get("gbps")
+        target = r.get("spec_target_us")
+        target_text = "" if target is None else f"≤ {target} µs: {'met' if r['meets_target'] else 'MISSED'}"
+        lines.append(f"| {r['group']} | {r['impl']} | {r['median_us']:.2f} | "
+                     f"{'' if gbps is None else f'{gbps:.0f}'} | "
+                     f"{'' if pct is None else f'{pct:.1f}'} | {err_text} | {target_text} |")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _RECORDS:
+        return
+    lines = _summary_lines()
+    terminalreporter.write_sep("=", f"cupyrope RoPE benchmarks on {bm.device_name()} (median GPU / host µs)")
+    for line in lines:
+        terminalreporter.write_line(line)
+    path = os.environ.get(REPORT_ENV)
+    if path:
+        with open(path, "w") as f:
+            f.write(f"# cupyrope RoPE benchmarks on {bm.device_name()}\n\n" + "\n".join(lines) + "\n")
+        terminalreporter.write_line(f"summary written to {path}")
