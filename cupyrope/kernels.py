@@ -1,6 +1,7 @@
 """Run-time compilation of the kernels in ``kernels_cu/`` through NVRTC.
 
-One specialisation table (dtype x table dtype x vector width x pairing x angle source) generates
+One specialisation table (dtype x table dtype x vector width x pairing x angle source x offset
+width) generates
 every ``name_expressions`` entry. A specialisation is compiled the first time it is needed on a
 device, once even when many threads ask at the same time, and memoised per (device, specialisation).
 CuPy keeps the compiled binaries on disk (``~/.cupy/kernel_cache``) keyed on the source and the
@@ -41,23 +42,27 @@ class KernelSpec:
     vector: bool  # 16-byte accesses (else one element at a time)
     interleaved: bool  # GPT-J pairing (else NeoX)
     source: AngleSource
+    wide_index: bool  # 64-bit offsets (else 32-bit: every offset of the launch fits)
 
     @property
     def name_expression(self) -> str:
+        flags = (self.vector, self.interleaved)
         return (
             f"cupyrope::rope_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
-            f"{CUDA_TYPE_NAMES[self.table_dtype]}, {str(self.vector).lower()}, "
-            f"{str(self.interleaved).lower()}, {int(self.source)}>"
+            f"{CUDA_TYPE_NAMES[self.table_dtype]}, {', '.join(str(f).lower() for f in flags)}, "
+            f"{int(self.source)}, {str(self.wide_index).lower()}>"
         )
 
 
 def _specialisations() -> tuple[KernelSpec, ...]:
     specs = []
-    for dtype, vector, interleaved in itertools.product(FLOAT_DTYPES, (True, False), (False, True)):
+    for dtype, vector, interleaved, wide in itertools.product(
+        FLOAT_DTYPES, (True, False), (False, True), (False, True)
+    ):
         for source in (AngleSource.CACHE_TABLE, AngleSource.TOKEN_TABLES):
             for table_dtype in FLOAT_DTYPES:
-                specs.append(KernelSpec(dtype, table_dtype, vector, interleaved, source))
-        specs.append(KernelSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED))
+                specs.append(KernelSpec(dtype, table_dtype, vector, interleaved, source, wide))
+        specs.append(KernelSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED, wide))
     return tuple(specs)
 
 
@@ -109,14 +114,15 @@ def compile_options() -> tuple[str, ...]:
 class CompiledKernel:
     """A loaded kernel: its driver handle plus the objects that keep the module alive."""
 
-    __slots__ = ("spec", "device_id", "ptr", "_module", "_function")
+    __slots__ = ("spec", "device_id", "ptr", "num_regs", "_module", "_function")
 
     def __init__(self, spec: KernelSpec, device_id: int, module, function):
         self.spec = spec
         self.device_id = device_id
         self._module = module
         self._function = function
-        self.ptr = function.kernel.ptr if hasattr(function, "kernel") else function.ptr
+        self.ptr = function.kernel.ptr
+        self.num_regs = function.num_regs  # sizes the launch geometry (blocks per SM)
 
 
 _compiled: dict[tuple[int, KernelSpec], CompiledKernel] = {}
@@ -175,6 +181,7 @@ def warmup(
     sources=tuple(AngleSource),
     interleaved=(False, True),
     vector=(True, False),
+    wide_index=(False,),
     device: int | None = None,
 ) -> int:
     """Compile chosen specialisations ahead of time; returns how many are ready.
@@ -188,6 +195,8 @@ def warmup(
     sources : iterable of AngleSource or {"cache", "tables", "computed"}
     interleaved, vector : iterables of bool
         Pairings and access widths to compile.
+    wide_index : iterable of bool
+        64-bit offsets (for tensors whose offsets pass 2^31 elements) and/or 32-bit ones.
     device : int, optional
         CUDA device ordinal; the current device by default.
 
@@ -211,6 +220,7 @@ def warmup(
             and spec.source in wanted_sources
             and spec.interleaved in interleaved
             and spec.vector in vector
+            and spec.wide_index in wide_index
             and (spec.source == AngleSource.COMPUTED or spec.table_dtype in table_dtypes)
         ):
             get_kernel(spec, device_id)

@@ -10,6 +10,7 @@ device and kept) and nothing synchronises.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 import numpy as np
@@ -41,6 +42,9 @@ PARAMS_DTYPE = np.dtype(
 )
 
 THREADS_PER_BLOCK = 256
+# Launches whose every offset (and token count) stays below this use 32-bit offsets. Half of the
+# int32 range: the kernel's token loop steps up to one grid past the last token before it stops.
+INDEX32_LIMIT = 2**30
 
 _ParamsWords = ctypes.c_uint64 * (PARAMS_DTYPE.itemsize // 8)
 _ArgumentPointers = ctypes.c_void_p * 1
@@ -88,7 +92,7 @@ class LaunchRecipe:
                 words = self._words
                 for slot, value in zip(_POINTER_SLOTS, (q, k, q_out, k_out, positions, cos, sin)):
                     words[slot] = value
-                self._driver.launchKernel(self.function_ptr, self.grid, 1, 1, *self.block, 0,
+                self._driver.launchKernel(self.function_ptr, *self.grid, 1, *self.block, 0,
                                           stream, self._argv_address, 0)
         finally:
             if switched:
@@ -135,6 +139,18 @@ def _vector_path_ok(plan: RopePlan, operands: list[ArrayInfo], token_strides, co
         if info.ptr % 16 or info.strides[-2] % access or any(s % access for s in strides):
             return False
     return True
+
+
+def _extent(info: ArrayInfo | None) -> int:
+    """1 + the largest |element offset| any index of ``info`` reaches from its data pointer."""
+    if info is None:
+        return 0
+    return 1 + sum((n - 1) * abs(s) for n, s in zip(info.shape, info.strides) if n > 0)
+
+
+def needs_wide_index(plan: RopePlan, outputs: list[ArrayInfo]) -> bool:
+    arrays = [plan.q, plan.k, plan.positions, plan.cache, plan.cos, plan.sin, *outputs]
+    return max([plan.num_tokens] + [_extent(a) for a in arrays]) >= INDEX32_LIMIT
 
 
 def _table_vector_ok(plan: RopePlan, pairs: int, cos_ptr: int, sin_ptr: int,
@@ -250,9 +266,10 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
         p["cos_col_stride"], p["sin_col_stride"] = plan.cos_col_stride, plan.sin_col_stride
         p["table_vector_ok"] = _table_vector_ok(plan, pairs, cos_ptr, sin_ptr, row_strides)
 
-    spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source)
+    spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
+                      needs_wide_index(plan, outputs))
     kernel = get_kernel(spec, plan.device)
-    block, grid = launch_geometry(plan, access, pairs, copy_pass)
+    block, grid = launch_geometry(plan, access, pairs, copy_pass, kernel.num_regs)
     recipe = LaunchRecipe(kernel.ptr, plan.device, grid, block, p, sin_offset, vector, keep_alive)
     recipe.launch(plan.q.obj, plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr,
                   0 if k is None else k_out.ptr,
@@ -260,25 +277,53 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
     return recipe
 
 
-# With many tokens each thread rotates about this many heads: cos/sin are fetched or computed once
-# per thread and reused, and the heads divide evenly over the head lanes. With few tokens (decode)
-# every head gets its own thread instead, to put enough threads on the GPU.
-HEADS_PER_THREAD = 8
-MANY_TOKENS = 1024
+# Heads per thread, with the relative throughput each reached at many tokens (bf16, D=128,
+# 32 + 8 heads, H200). More heads per thread reuse each thread's token offsets, position and
+# cos/sin more; fewer make more, smaller work items, which fill the last wave of blocks better
+# and shorten a decode step's critical path.
+HEADS_PER_THREAD = {8: 1.0, 4: 0.96, 2: 0.90, 1: 0.75}
+MAX_TOKENS_PER_BLOCK = 64
 
 
-def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool):
-    """(block, grid): lanes over pair chunks, then heads, then tokens, ~256 threads a block."""
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: int) -> int:
+    return _import_cupy().cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+
+
+def _resident_blocks(threads: int, num_regs: int) -> int:
+    """Blocks of ``threads`` that fit on one SM (Hopper/Ampere limits: 2048 threads, 64K
+    registers allocated per warp in units of 256, 32 blocks)."""
+    warps = -(-threads // 32)
+    regs_per_warp = -(-num_regs * 32 // 256) * 256
+    return max(1, min(32, 64 // warps, 65536 // (regs_per_warp * warps)))
+
+
+def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, num_regs: int):
+    """(block, grid) for a plan.
+
+    x: lanes over the chunks of pairs (and, out of place, pass-through chunks) of a head;
+    y: head lanes, split over blockIdx.y when they do not fit one block; z: tokens, ~256 threads
+    a block. The heads per thread are chosen by a wave model: the square root of the fraction of
+    the last wave of resident blocks that has work (a partial last wave runs faster, so the loss
+    is less than the idle fraction), times the measured throughput of that many heads per thread.
+    """
     chunks = (plan.rotary_dim // 2) // pairs
     pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
-    lanes = 1
-    while lanes < min(max(chunks, pass_chunks), 32):
-        lanes *= 2
-    num_heads = plan.num_q_heads + plan.num_k_heads
-    head_lanes = num_heads
-    if plan.num_tokens >= MANY_TOKENS:
-        head_lanes = -(-num_heads // HEADS_PER_THREAD)
-    heads = max(1, min(head_lanes, THREADS_PER_BLOCK // lanes))
-    tokens = max(1, min(64, THREADS_PER_BLOCK // (lanes * heads)))
-    blocks = min(-(-plan.num_tokens // tokens), 2**31 - 1)
-    return (lanes, heads, tokens), blocks
+    lanes = max(1, min(chunks + pass_chunks, 32))
+    num_heads = max(1, plan.num_q_heads + plan.num_k_heads)
+    best = None
+    for heads_per_thread, throughput in HEADS_PER_THREAD.items():
+        head_lanes = -(-num_heads // heads_per_thread)
+        grid_y = -(-head_lanes // max(1, THREADS_PER_BLOCK // lanes))
+        block_y = -(-head_lanes // grid_y)  # 40 head lanes over 2 blocks: 20 + 20, not 32 + 8
+        tokens = max(1, min(MAX_TOKENS_PER_BLOCK, THREADS_PER_BLOCK // (lanes * block_y)))
+        grid_x = -(-plan.num_tokens // tokens)
+        threads = lanes * block_y * tokens
+        slots_per_sm = _resident_blocks(threads, num_regs)
+        waves = grid_x * grid_y / (slots_per_sm * _multiprocessors(plan.device))
+        score = (waves / -(-waves // 1)) ** 0.5 * throughput
+        if heads_per_thread == 1 and waves <= 1:
+            score = float("inf")  # all of it runs at once: latency, not bandwidth, decides
+        if best is None or score > best[0]:
+            best = (score, (lanes, block_y, tokens), (min(grid_x, 2**31 - 1), grid_y))
+    return best[1], best[2]

@@ -1,8 +1,10 @@
 // RoPE entry points: the templated __global__ kernels that cupyrope/kernels.py instantiates.
 //
 // One launch rotates q and k together. Work is split three ways:
-//   threadIdx.x  a chunk of `pairs` rotary pairs (one 16-byte access per half, or one scalar pair),
-//   threadIdx.y  heads of q followed by heads of k, strided by blockDim.y,
+//   threadIdx.x  a lane: a chunk of `pairs` rotary pairs (one 16-byte access per half, or one
+//                scalar pair), or, out of place, a chunk of pass-through dims to copy;
+//   y            heads of q followed by heads of k: blockIdx.y * blockDim.y + threadIdx.y, strided
+//                by gridDim.y * blockDim.y (the host splits heads over blocks when tokens are few);
 //   threadIdx.z  a token, with blocks striding over tokens.
 // cos/sin for a chunk are loaded (or computed) once per token and reused for every head.
 #include "numeric.cuh"
@@ -14,17 +16,25 @@ namespace cupyrope {
 
 enum AngleSource : int { kCacheTable = 0, kTokenTables = 1, kComputedAngles = 2 };
 
+// Offsets are computed in 32 bits when the host has checked that every offset of the launch fits
+// (fewer registers and instructions: 5 resident blocks instead of 4), else in 64 bits, so that
+// tensors past 2^31 elements index correctly.
+template <bool WIDE> struct IndexOf { using type = long long; };
+template <> struct IndexOf<false> { using type = int; };
+
 // The host launches at most kMaxThreadsPerBlock threads a block (THREADS_PER_BLOCK in launch.py).
-// Asking for CUPYROPE_MIN_BLOCKS resident blocks caps registers (64 at 256 x 4) so that more warps,
-// and so more loads, are in flight: the kernel is bound by memory latency, not arithmetic.
-#ifndef CUPYROPE_MIN_BLOCKS
-#define CUPYROPE_MIN_BLOCKS 4
-#endif
+// Asking for several resident blocks caps registers so that more warps, and so more loads, are in
+// flight: the kernel is bound by memory latency, not arithmetic (measured: 4 -> 5 blocks, 91 -> 93%
+// of an SM copy at the reference shape on an H200; 6 blocks spill and lose).
 constexpr int kMaxThreadsPerBlock = 256;
-// float64 arrays hold twice the registers per element: they get one block less (no spills).
-template <typename T>
+// 5 blocks (48 registers) with 32-bit offsets, 4 (64 registers) with 64-bit ones. One block less
+// where that would spill: float64 arrays or float64 tables (twice the registers per element), and
+// per-token tables (two more offsets) with 32-bit offsets. tests/test_kernel_compile.py checks that
+// no specialisation spills.
+template <typename T, typename TableT, int SOURCE, bool WIDE>
 struct MinBlocksPerSM {
-  static constexpr int value = sizeof(T) == 8 ? CUPYROPE_MIN_BLOCKS - 1 : CUPYROPE_MIN_BLOCKS;
+  static constexpr bool heavy = sizeof(T) == 8 || (!WIDE && (sizeof(TableT) == 8 || SOURCE == kTokenTables));
+  static constexpr int value = (WIDE ? 4 : 5) - (heavy ? 1 : 0);
 };
 
 template <typename T, bool VECTOR, bool INTERLEAVED>
@@ -36,38 +46,42 @@ struct Layout {
   static constexpr int pairs = INTERLEAVED ? (access >= 2 ? access / 2 : 1) : access;
 };
 
+template <typename Index>
 struct TokenOffsets {
-  long long q, k, q_out, k_out, positions, cos, sin;
+  Index q, k, q_out, k_out, positions, cos, sin;
 };
 
-__device__ __forceinline__ TokenOffsets token_offsets(const RopeParams& p, long long token) {
-  TokenOffsets o = {0, 0, 0, 0, 0, 0, 0};
-  long long rest = token;
+template <typename Index>
+__device__ __forceinline__ TokenOffsets<Index> token_offsets(const RopeParams& p, Index token) {
+  TokenOffsets<Index> o = {0, 0, 0, 0, 0, 0, 0};
+  Index rest = token;
 #pragma unroll
   for (int d = kMaxTokenDims - 1; d >= 0; --d) {
     if (d >= p.token_ndim) continue;
-    const long long i = d == 0 ? rest : rest % p.token_shape[d];
-    rest = d == 0 ? 0 : rest / p.token_shape[d];
-    o.q += i * p.q_token_stride[d];
-    o.k += i * p.k_token_stride[d];
-    o.q_out += i * p.q_out_token_stride[d];
-    o.k_out += i * p.k_out_token_stride[d];
-    o.positions += i * p.positions_token_stride[d];
-    o.cos += i * p.cos_token_stride[d];
-    o.sin += i * p.sin_token_stride[d];
+    const Index size = static_cast<Index>(p.token_shape[d]);
+    const Index i = d == 0 ? rest : rest % size;
+    rest = d == 0 ? 0 : rest / size;
+    o.q += i * static_cast<Index>(p.q_token_stride[d]);
+    o.k += i * static_cast<Index>(p.k_token_stride[d]);
+    o.q_out += i * static_cast<Index>(p.q_out_token_stride[d]);
+    o.k_out += i * static_cast<Index>(p.k_out_token_stride[d]);
+    o.positions += i * static_cast<Index>(p.positions_token_stride[d]);
+    o.cos += i * static_cast<Index>(p.cos_token_stride[d]);
+    o.sin += i * static_cast<Index>(p.sin_token_stride[d]);
   }
   return o;
 }
 
-__device__ __forceinline__ long long load_position(const RopeParams& p, long long offset) {
+template <typename Index>
+__device__ __forceinline__ long long load_position(const RopeParams& p, Index offset) {
   if (p.positions == nullptr) return offset;  // implicit arange: the offset is the index
   if (p.positions_are_int64) return static_cast<const long long*>(p.positions)[offset];
   return static_cast<const int*>(p.positions)[offset];
 }
 
-template <typename T, typename C, int P, bool VECTOR, bool INTERLEAVED>
+template <typename T, typename C, int P, bool VECTOR, bool INTERLEAVED, typename Index>
 __device__ __forceinline__ void rotate_head(const T* in, T* out,
-                                            long long pair0, long long half, const C (&cos_v)[P],
+                                            Index pair0, Index half, const C (&cos_v)[P],
                                             const C (&sin_v)[P]) {
   if constexpr (INTERLEAVED) {
     T x[2 * P];
@@ -96,35 +110,73 @@ __device__ __forceinline__ void rotate_head(const T* in, T* out,
   }
 }
 
-template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE>
-__global__ __launch_bounds__(kMaxThreadsPerBlock, MinBlocksPerSM<T>::value) void rope_kernel(const RopeParams p) {
+// Input and output rows of head `head` of the current token: q's heads, then k's. No
+// __restrict__ anywhere on these: in place they are the same memory.
+template <typename T>
+struct HeadRows {
+  const T* in;
+  T* out;
+};
+
+template <typename T, typename Index>
+__device__ __forceinline__ HeadRows<T> head_rows(const RopeParams& p, const TokenOffsets<Index>& o,
+                                                 Index head) {
+  const Index num_q_heads = static_cast<Index>(p.num_q_heads);
+  if (head < num_q_heads) {
+    return {static_cast<const T*>(p.q) + o.q + head * static_cast<Index>(p.q_head_stride),
+            static_cast<T*>(p.q_out) + o.q_out + head * static_cast<Index>(p.q_out_head_stride)};
+  }
+  const Index kh = head - num_q_heads;
+  return {static_cast<const T*>(p.k) + o.k + kh * static_cast<Index>(p.k_head_stride),
+          static_cast<T*>(p.k_out) + o.k_out + kh * static_cast<Index>(p.k_out_head_stride)};
+}
+
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
+__global__ __launch_bounds__(kMaxThreadsPerBlock, MinBlocksPerSM<T, TableT, SOURCE, WIDE_INDEX>::value)
+void rope_kernel(const RopeParams p) {
+  using Index = typename IndexOf<WIDE_INDEX>::type;
   using C = typename ComputeOf<T>::type;
   using L = Layout<T, VECTOR, INTERLEAVED>;
   constexpr int P = L::pairs;
 
-  // No __restrict__ on q/k and their outputs: in place they are the same memory.
-  const T* q = static_cast<const T*>(p.q);
-  const T* k = static_cast<const T*>(p.k);
-  T* q_out = static_cast<T*>(p.q_out);
-  T* k_out = static_cast<T*>(p.k_out);
   const TableT* __restrict__ cos_table = static_cast<const TableT*>(p.cos);
   const TableT* __restrict__ sin_table = static_cast<const TableT*>(p.sin);
 
-  const long long half = p.rotary_dim / 2;
-  const long long num_chunks = half / P;
-  const long long num_heads = p.num_q_heads + p.num_k_heads;
+  const Index rotary_dim = static_cast<Index>(p.rotary_dim);
+  const Index half = rotary_dim / 2;
+  const Index num_chunks = half / P;
+  const Index pass_chunks =
+      p.copy_pass_through ? (static_cast<Index>(p.head_dim) - rotary_dim) / L::access : 0;
+  const Index num_heads = static_cast<Index>(p.num_q_heads + p.num_k_heads);
+  const Index num_tokens = static_cast<Index>(p.num_tokens);
+  const Index cos_col_stride = static_cast<Index>(p.cos_col_stride);
+  const Index sin_col_stride = static_cast<Index>(p.sin_col_stride);
+  const Index first_head = static_cast<Index>(blockIdx.y) * blockDim.y + threadIdx.y;
+  const Index head_step = static_cast<Index>(gridDim.y) * blockDim.y;
   const C sin_sign = static_cast<C>(p.sin_sign);
   const bool table_vector_ok = p.table_vector_ok != 0;
 
-  const long long token_step = static_cast<long long>(gridDim.x) * blockDim.z;
-  for (long long token = static_cast<long long>(blockIdx.x) * blockDim.z + threadIdx.z;
-       token < p.num_tokens; token += token_step) {
-    const TokenOffsets o = token_offsets(p, token);
+  const Index token_step = static_cast<Index>(gridDim.x) * blockDim.z;
+  for (Index token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
+       token < num_tokens; token += token_step) {
+    const TokenOffsets<Index> o = token_offsets(p, token);
     long long position = 0;
     if constexpr (SOURCE != kTokenTables) position = load_position(p, o.positions);
 
-    for (long long chunk = threadIdx.x; chunk < num_chunks; chunk += blockDim.x) {
-      const long long pair0 = chunk * P;
+    // Lanes [0, num_chunks) rotate; lanes [num_chunks, num_chunks + pass_chunks) copy the
+    // dims past rotary_dim (out of place only; in place they are left untouched).
+    for (Index lane = threadIdx.x; lane < num_chunks + pass_chunks; lane += blockDim.x) {
+      if (lane >= num_chunks) {
+        const Index col = rotary_dim + (lane - num_chunks) * L::access;
+        for (Index head = first_head; head < num_heads; head += head_step) {
+          const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
+          T v[L::access];
+          load_elements<VECTOR>(v, rows.in + col);
+          store_elements<VECTOR>(rows.out + col, v);
+        }
+        continue;
+      }
+      const Index pair0 = lane * P;
       C cos_v[P], sin_v[P];
       if constexpr (SOURCE == kComputedAngles) {
         const C factor = static_cast<C>(p.attention_factor);
@@ -136,17 +188,18 @@ __global__ __launch_bounds__(kMaxThreadsPerBlock, MinBlocksPerSM<T>::value) void
           sin_v[i] = s * factor * sin_sign;
         }
       } else {
-        long long cos_row = o.cos, sin_row = o.sin;
+        Index cos_row = o.cos, sin_row = o.sin;
         bool row_valid = true;
         if constexpr (SOURCE == kCacheTable) {
           // Rows outside the cache are never read: they come out as NaN.
           row_valid = position >= 0 && position < p.max_position;
-          cos_row = sin_row = row_valid ? position * p.table_row_stride : 0;
+          cos_row = sin_row =
+              row_valid ? static_cast<Index>(position) * static_cast<Index>(p.table_row_stride) : 0;
         }
         if (row_valid) {
-          load_table(cos_v, cos_table + cos_row + pair0 * p.cos_col_stride, p.cos_col_stride,
+          load_table(cos_v, cos_table + cos_row + pair0 * cos_col_stride, cos_col_stride,
                      table_vector_ok);
-          load_table(sin_v, sin_table + sin_row + pair0 * p.sin_col_stride, p.sin_col_stride,
+          load_table(sin_v, sin_table + sin_row + pair0 * sin_col_stride, sin_col_stride,
                      table_vector_ok);
 #pragma unroll
           for (int i = 0; i < P; ++i) sin_v[i] *= sin_sign;
@@ -156,37 +209,9 @@ __global__ __launch_bounds__(kMaxThreadsPerBlock, MinBlocksPerSM<T>::value) void
         }
       }
 
-      // Not unrolled: under the register cap below, unrolling by 2 measured the same (H200).
-      for (long long head = threadIdx.y; head < num_heads; head += blockDim.y) {
-        if (head < p.num_q_heads) {
-          rotate_head<T, C, P, VECTOR, INTERLEAVED>(q + o.q + head * p.q_head_stride,
-                                                    q_out + o.q_out + head * p.q_out_head_stride,
-                                                    pair0, half, cos_v, sin_v);
-        } else {
-          const long long kh = head - p.num_q_heads;
-          rotate_head<T, C, P, VECTOR, INTERLEAVED>(k + o.k + kh * p.k_head_stride,
-                                                    k_out + o.k_out + kh * p.k_out_head_stride,
-                                                    pair0, half, cos_v, sin_v);
-        }
-      }
-    }
-
-    // Dims past rotary_dim pass through: copied when writing to new arrays, untouched in place.
-    if (p.copy_pass_through) {
-      constexpr int A = L::access;
-      const long long pass_chunks = (p.head_dim - p.rotary_dim) / A;
-      for (long long chunk = threadIdx.x; chunk < pass_chunks; chunk += blockDim.x) {
-        const long long col = p.rotary_dim + chunk * A;
-        for (long long head = threadIdx.y; head < num_heads; head += blockDim.y) {
-          const bool is_q = head < p.num_q_heads;
-          const long long kh = head - p.num_q_heads;
-          const T* in = is_q ? q + o.q + head * p.q_head_stride : k + o.k + kh * p.k_head_stride;
-          T* out = is_q ? q_out + o.q_out + head * p.q_out_head_stride
-                        : k_out + o.k_out + kh * p.k_out_head_stride;
-          T v[A];
-          load_elements<VECTOR>(v, in + col);
-          store_elements<VECTOR>(out + col, v);
-        }
+      for (Index head = first_head; head < num_heads; head += head_step) {
+        const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
+        rotate_head<T, C, P, VECTOR, INTERLEAVED, Index>(rows.in, rows.out, pair0, half, cos_v, sin_v);
       }
     }
   }

@@ -60,9 +60,9 @@ __device__ __forceinline__ void store_elements(T* dst, const T (&src)[N]) {
 
 // N table entries spaced `stride` elements apart, converted to the compute type. Contiguous,
 // aligned rows (the common case, decided once per launch on the host) take the vector path.
-template <typename C, typename TableT, int N>
+template <typename C, typename TableT, int N, typename Index>
 __device__ __forceinline__ void load_table(C (&dst)[N], const TableT* __restrict__ src,
-                                           long long stride, bool vector_ok) {
+                                           Index stride, bool vector_ok) {
   TableT raw[N];
   if (vector_ok) {
     load_elements<true>(raw, src);

@@ -1,0 +1,61 @@
+"""Launch geometry: every head and chunk is covered, decode gives each head its own thread,
+and the lanes are not padded to a power of two. (No GPU needed: the SM count is given.)"""
+
+import numpy as np
+import pytest
+
+import cupyrope as cr
+from cupyrope import launch
+from cupyrope.plan import plan_rope
+
+
+@pytest.fixture(autouse=True)
+def h200_like(monkeypatch):
+    monkeypatch.setattr(launch, "_multiprocessors", lambda device: 132)
+
+
+def _geometry(T, D=128, hq=32, hk=8, rotary_dim=None, dtype="float32", inplace=False):
+    q = np.zeros((T, hq, D), dtype=dtype)
+    k = np.zeros((T, hk, D), dtype=dtype)
+    plan = plan_rope(q, k, rotary_dim=rotary_dim, inplace=inplace)
+    access, pairs = launch._pairs_per_thread(q.itemsize, True, False)
+    copy_pass = not inplace and plan.rotary_dim < D
+    return launch.launch_geometry(plan, access, pairs, copy_pass, num_regs=61), plan
+
+
+@pytest.mark.parametrize("T", [1, 7, 32, 512, 4096, 16384, 65536, 1 << 20])
+def test_every_token_and_head_is_covered_within_limits(T):
+    (lanes, block_y, tokens), (grid_x, grid_y) = _geometry(T)[0]
+    assert lanes * block_y * tokens <= launch.THREADS_PER_BLOCK
+    assert grid_x * tokens >= T  # the kernel also strides over tokens, but no more is needed
+    assert grid_y * block_y >= 1
+    assert lanes == 16  # float32, D=128: 64 pairs in 16-byte accesses of 4 pairs
+
+
+def test_decode_gives_each_head_its_own_thread():
+    (lanes, block_y, tokens), (grid_x, grid_y) = _geometry(1)[0]
+    assert block_y * grid_y >= 40 and tokens == 1
+
+
+def test_many_tokens_reuse_cos_sin_across_heads():
+    (lanes, block_y, tokens), (grid_x, grid_y) = _geometry(1 << 20)[0]
+    assert grid_y == 1 and block_y <= 10  # several heads per thread
+
+
+def test_lanes_cover_rotary_and_pass_through_chunks_exactly():
+    ((lanes, _, _), _), _ = _geometry(4096, D=80, dtype="float32")  # 40 pairs / 4 = 10 chunks
+    assert lanes == 10
+    ((lanes, _, _), _), _ = _geometry(4096, D=128, rotary_dim=64)  # 8 rotary + 16 copy chunks
+    assert lanes == 24
+    ((lanes, _, _), _), _ = _geometry(4096, D=128, rotary_dim=64, inplace=True)  # nothing to copy
+    assert lanes == 8
+
+
+def test_offsets_past_the_int32_headroom_take_the_64_bit_kernels():
+    small = np.zeros((4, 2, 8), dtype=np.float32)
+    plan = plan_rope(small)
+    assert not launch.needs_wide_index(plan, [plan.q])
+    # A view whose token stride reaches past 2^30 elements (no memory behind it is touched).
+    far = np.lib.stride_tricks.as_strided(small, shape=(2, 2, 8), strides=(2**31 * 4, 32, 4))
+    plan = plan_rope(far)
+    assert launch.needs_wide_index(plan, [plan.q])
