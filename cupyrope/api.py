@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from .arrays import empty_like_caller, finish, gpu_array_key, host_view, new_gpu_output
+from .arrays import empty_like_caller, finish, gpu_array_key, host_view, new_gpu_outputs
 from .cpu import rotate_on_host
 from .plan import check_positions_in_cache, plan_rope
 
@@ -80,7 +80,10 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     options = (theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len)
     key = None if validate else _recipe_key(q, k, positions, cos_sin_cache, cos, sin, options)
     if key is not None:
-        recipe = _recipes.get(key[0])
+        try:
+            recipe = _recipes.get(key[0])
+        except TypeError:  # an unhashable option (e.g. theta given as an array): full path
+            recipe = key = None
         if recipe is not None:
             result = _replay(recipe, q, k, key[1], inplace)
             if result is not None:
@@ -119,11 +122,8 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
 
 def _recipe_key(q, k, positions, cos_sin_cache, cos, sin, options):
     """(hashable key, data pointers) for a call on CUDA torch tensors / CuPy arrays, else None."""
-    first = gpu_array_key(q)
-    if first is None:
-        return None
-    metas, pointers = [first[0]], [first[1]]
-    for x in (k, positions, cos_sin_cache, cos, sin):
+    metas, pointers = [], []
+    for x in (q, k, positions, cos_sin_cache, cos, sin):
         if x is None:
             metas.append(None)
             pointers.append(0)
@@ -146,10 +146,6 @@ def _recipe_key(q, k, positions, cos_sin_cache, cos, sin, options):
     same_qk = k is not None and pointers[1] == pointers[0]  # refused in place; must not be cached
     key = (tuple(metas), type(theta), theta, scaling, interleaved, rotary_dim, inverse, inplace,
            seq_len, same_qk)
-    try:
-        hash(key)
-    except TypeError:
-        return None
     return key, pointers
 
 
@@ -159,8 +155,7 @@ def _replay(recipe, q, k, pointers, inplace):
     if inplace:
         q_out, k_out, q_out_ptr, k_out_ptr = q, k, q_ptr, k_ptr
     else:
-        q_out, q_out_ptr = new_gpu_output(q)
-        k_out, k_out_ptr = new_gpu_output(k) if k is not None else (None, 0)
+        q_out, q_out_ptr, k_out, k_out_ptr = new_gpu_outputs(q, k)
         if recipe.vector and (q_out_ptr | k_out_ptr) & 15:
             return None  # allocators align to 256 bytes; never expected, but never assumed
     recipe.launch(q, q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr or cos_ptr,

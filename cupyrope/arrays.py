@@ -4,7 +4,7 @@ Nothing else in cupyrope knows which framework it is serving. ``describe`` turns
 into an :class:`ArrayInfo`; ``empty_like_caller`` allocates an output of the caller's own type on the
 caller's device; ``current_stream`` names the stream a kernel for that caller must run on (torch's
 current stream for torch tensors, CuPy's otherwise); ``host_view`` exposes a CPU array to NumPy
-without copying; ``gpu_array_key`` and ``new_gpu_output`` serve repeated calls with CUDA torch
+without copying; ``gpu_array_key`` and ``new_gpu_outputs`` serve repeated calls with CUDA torch
 tensors and CuPy arrays from a few attribute reads.
 
 torch tensors are read directly (``data_ptr``, ``shape``, ``stride``, ``dtype``): a DLPack round
@@ -271,16 +271,24 @@ def gpu_array_key(x):
     return None
 
 
-def new_gpu_output(like):
-    """(array, pointer): a new contiguous array of ``like``'s type, shape, dtype and device."""
-    if _gpu_kind(like) == "torch":
+def new_gpu_outputs(q, k):
+    """(q_out, q_out pointer, k_out, k_out pointer): new contiguous arrays of q's and k's type,
+    shape, dtype and device (k may be None).
+
+    ``empty_like`` is the cheapest torch allocation from Python (measured on the H200 machine's
+    host: ~1.4 us each, against ~3.2 us for ``torch.empty(shape, dtype=, device=)`` and ~8.8 us
+    for one buffer sliced into two views).
+    """
+    if _gpu_kind(q) == "torch":
         torch = _torch()
-        out = torch.empty_like(like, memory_format=torch.contiguous_format)
-        return out, out.data_ptr()
+        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        k_out = None if k is None else torch.empty_like(k, memory_format=torch.contiguous_format)
+        return q_out, q_out.data_ptr(), k_out, 0 if k is None else k_out.data_ptr()
     cupy = _cupy()
-    with cupy.cuda.Device(like.device.id):
-        out = cupy.empty(like.shape, dtype=like.dtype)
-    return out, out.data.ptr
+    with cupy.cuda.Device(q.device.id):
+        q_out = cupy.empty(q.shape, dtype=q.dtype)
+        k_out = None if k is None else cupy.empty(k.shape, dtype=k.dtype)
+    return q_out, q_out.data.ptr, k_out, 0 if k is None else k_out.data.ptr
 
 
 def current_stream(like, device: int) -> int:

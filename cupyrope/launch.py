@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
 
 import numpy as np
@@ -48,8 +49,10 @@ INDEX32_LIMIT = 2**30
 
 _ParamsWords = ctypes.c_uint64 * (PARAMS_DTYPE.itemsize // 8)
 _ArgumentPointers = ctypes.c_void_p * 1
-_POINTER_SLOTS = tuple(PARAMS_DTYPE.fields[name][1] // 8
-                       for name in ("q", "k", "q_out", "k_out", "positions", "cos", "sin"))
+# The seven data pointers lead the struct, in this order: one pack_into writes them all.
+_DATA_POINTERS = struct.Struct("<7Q")
+assert [PARAMS_DTYPE.fields[name][1] for name in
+        ("q", "k", "q_out", "k_out", "positions", "cos", "sin")] == list(range(0, 56, 8))
 
 
 class LaunchRecipe:
@@ -89,9 +92,7 @@ class LaunchRecipe:
         try:
             stream = current_stream(like, self.device)
             with self._lock:
-                words = self._words
-                for slot, value in zip(_POINTER_SLOTS, (q, k, q_out, k_out, positions, cos, sin)):
-                    words[slot] = value
+                _DATA_POINTERS.pack_into(self._words, 0, q, k, q_out, k_out, positions, cos, sin)
                 self._driver.launchKernel(self.function_ptr, *self.grid, 1, *self.block, 0,
                                           stream, self._argv_address, 0)
         finally:
@@ -301,15 +302,15 @@ def _resident_blocks(threads: int, num_regs: int) -> int:
 def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, num_regs: int):
     """(block, grid) for a plan.
 
-    x: lanes over the chunks of pairs (and, out of place, pass-through chunks) of a head;
+    x: lanes over the chunks of pairs of a head (out of place, the same lanes then copy the
+    pass-through chunks);
     y: head lanes, split over blockIdx.y when they do not fit one block; z: tokens, ~256 threads
     a block. The heads per thread are chosen by a wave model: the square root of the fraction of
     the last wave of resident blocks that has work (a partial last wave runs faster, so the loss
     is less than the idle fraction), times the measured throughput of that many heads per thread.
     """
     chunks = (plan.rotary_dim // 2) // pairs
-    pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
-    lanes = max(1, min(chunks + pass_chunks, 32))
+    lanes = max(1, min(chunks, 32))
     num_heads = max(1, plan.num_q_heads + plan.num_k_heads)
     best = None
     for heads_per_thread, throughput in HEADS_PER_THREAD.items():

@@ -2,7 +2,7 @@
 //
 // One launch rotates q and k together. Work is split three ways:
 //   threadIdx.x  a lane: a chunk of `pairs` rotary pairs (one 16-byte access per half, or one
-//                scalar pair), or, out of place, a chunk of pass-through dims to copy;
+//                scalar pair), then, out of place, a share of the pass-through dims to copy;
 //   y            heads of q followed by heads of k: blockIdx.y * blockDim.y + threadIdx.y, strided
 //                by gridDim.y * blockDim.y (the host splits heads over blocks when tokens are few);
 //   threadIdx.z  a token, with blocks striding over tokens.
@@ -79,36 +79,43 @@ __device__ __forceinline__ long long load_position(const RopeParams& p, Index of
   return static_cast<const int*>(p.positions)[offset];
 }
 
-template <typename T, typename C, int P, bool VECTOR, bool INTERLEAVED, typename Index>
-__device__ __forceinline__ void rotate_head(const T* in, T* out,
-                                            Index pair0, Index half, const C (&cos_v)[P],
-                                            const C (&sin_v)[P]) {
-  if constexpr (INTERLEAVED) {
-    T x[2 * P];
-    load_elements<VECTOR>(x, in + 2 * pair0);
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
-      const C x1 = Convert<C>::from(x[2 * i]);
-      const C x2 = Convert<C>::from(x[2 * i + 1]);
-      x[2 * i] = Store<T>::from(x1 * cos_v[i] - x2 * sin_v[i]);
-      x[2 * i + 1] = Store<T>::from(x2 * cos_v[i] + x1 * sin_v[i]);
+// The elements of one head that one thread rotates: P pairs, as one access per half (NeoX) or
+// one access of side-by-side pairs (interleaved).
+template <typename T, int P, bool VECTOR, bool INTERLEAVED>
+struct HeadChunk {
+  T first[INTERLEAVED ? 2 * P : P];
+  T second[INTERLEAVED ? 1 : P];
+
+  template <typename Index>
+  __device__ __forceinline__ void load(const T* in, Index pair0, Index half) {
+    if constexpr (INTERLEAVED) {
+      load_elements<VECTOR>(first, in + 2 * pair0);
+    } else {
+      load_elements<VECTOR>(first, in + pair0);
+      load_elements<VECTOR>(second, in + half + pair0);
     }
-    store_elements<VECTOR>(out + 2 * pair0, x);
-  } else {
-    T a[P], b[P];
-    load_elements<VECTOR>(a, in + pair0);
-    load_elements<VECTOR>(b, in + half + pair0);
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
-      const C x1 = Convert<C>::from(a[i]);
-      const C x2 = Convert<C>::from(b[i]);
-      a[i] = Store<T>::from(x1 * cos_v[i] - x2 * sin_v[i]);
-      b[i] = Store<T>::from(x2 * cos_v[i] + x1 * sin_v[i]);
-    }
-    store_elements<VECTOR>(out + pair0, a);
-    store_elements<VECTOR>(out + half + pair0, b);
   }
-}
+
+  template <typename C, typename Index>
+  __device__ __forceinline__ void rotate_store(T* out, Index pair0, Index half,
+                                               const C (&cos_v)[P], const C (&sin_v)[P]) {
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      T& e1 = INTERLEAVED ? first[2 * i] : first[i];
+      T& e2 = INTERLEAVED ? first[2 * i + 1] : second[i];
+      const C x1 = Convert<C>::from(e1);
+      const C x2 = Convert<C>::from(e2);
+      e1 = Store<T>::from(x1 * cos_v[i] - x2 * sin_v[i]);
+      e2 = Store<T>::from(x2 * cos_v[i] + x1 * sin_v[i]);
+    }
+    if constexpr (INTERLEAVED) {
+      store_elements<VECTOR>(out + 2 * pair0, first);
+    } else {
+      store_elements<VECTOR>(out + pair0, first);
+      store_elements<VECTOR>(out + half + pair0, second);
+    }
+  }
+};
 
 // Input and output rows of head `head` of the current token: q's heads, then k's. No
 // __restrict__ anywhere on these: in place they are the same memory.
@@ -163,20 +170,13 @@ void rope_kernel(const RopeParams p) {
     long long position = 0;
     if constexpr (SOURCE != kTokenTables) position = load_position(p, o.positions);
 
-    // Lanes [0, num_chunks) rotate; lanes [num_chunks, num_chunks + pass_chunks) copy the
-    // dims past rotary_dim (out of place only; in place they are left untouched).
-    for (Index lane = threadIdx.x; lane < num_chunks + pass_chunks; lane += blockDim.x) {
-      if (lane >= num_chunks) {
-        const Index col = rotary_dim + (lane - num_chunks) * L::access;
-        for (Index head = first_head; head < num_heads; head += head_step) {
-          const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
-          T v[L::access];
-          load_elements<VECTOR>(v, rows.in + col);
-          store_elements<VECTOR>(rows.out + col, v);
-        }
-        continue;
-      }
+    // Each lane rotates one chunk of pairs of every head it visits. All lanes take the same path
+    // (no lane only copies while its neighbours rotate: that divergence halved partial-rotary
+    // throughput).
+    for (Index lane = threadIdx.x; lane < num_chunks; lane += blockDim.x) {
       const Index pair0 = lane * P;
+      // (Loading the first head before cos/sin, to overlap the position -> cache-row latency,
+      // spills under the register caps above: measured worse, so cos/sin come first.)
       C cos_v[P], sin_v[P];
       if constexpr (SOURCE == kComputedAngles) {
         const C factor = static_cast<C>(p.attention_factor);
@@ -211,7 +211,22 @@ void rope_kernel(const RopeParams p) {
 
       for (Index head = first_head; head < num_heads; head += head_step) {
         const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
-        rotate_head<T, C, P, VECTOR, INTERLEAVED, Index>(rows.in, rows.out, pair0, half, cos_v, sin_v);
+        HeadChunk<T, P, VECTOR, INTERLEAVED> chunk;
+        chunk.load(rows.in, pair0, half);
+        chunk.rotate_store(rows.out, pair0, half, cos_v, sin_v);
+      }
+    }
+
+    // Then every lane copies its share of the dims past rotary_dim (out of place only). No
+    // cos/sin are live here, so the loop is unrolled to keep several heads' loads in flight.
+    for (Index c = threadIdx.x; c < pass_chunks; c += blockDim.x) {
+      const Index col = rotary_dim + c * L::access;
+#pragma unroll 4
+      for (Index head = first_head; head < num_heads; head += head_step) {
+        const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
+        T v[L::access];
+        load_elements<VECTOR>(v, rows.in + col);
+        store_elements<VECTOR>(rows.out + col, v);
       }
     }
   }
