@@ -2,6 +2,8 @@
 
 Runs on the GPU when CuPy sees one, otherwise on the NumPy path, and prints for each angle source
 the largest error against an exact float64 rotation, in units of the output dtype's ulp.
+``python -m cupyrope bench`` runs the benchmark sweep (GPU): a table of time, GB/s and % of an SM
+copy for cupyrope and the peers installed, and a bandwidth plot in ./cupyrope-bench/.
 """
 
 from __future__ import annotations
@@ -41,7 +43,15 @@ def _ulps(out: np.ndarray, exact: np.ndarray, dtype: str) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupyrope", description=__doc__)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        # The reference benchmark sweep (needs a GPU and torch): table, JSON and bandwidth plot.
+        from cupyrope.benchmarking import main as bench
+
+        return bench(argv[1:], prog="python -m cupyrope bench", default_out="cupyrope-bench")
+    parser = argparse.ArgumentParser(
+        prog="python -m cupyrope", description=__doc__,
+        epilog="python -m cupyrope bench [--tokens ...] runs the benchmark sweep instead.")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--cpu", action="store_true", help="use the NumPy path even with a GPU")

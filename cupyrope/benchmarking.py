@@ -927,15 +927,18 @@ def environment() -> dict:
     return info
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupyrope.benchmarking",
-                                     description="SPEC §4 reference sweep: cupyrope against the SM copy and peers.")
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cupyrope.benchmarking",
+         default_out: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=(
+        "Reference sweep (bf16 q [T,32,128], k [T,8,128], fp32 cache, NeoX): cupyrope against an "
+        "SM copy of the same bytes and the peers installed; prints the table and writes it with a "
+        "bandwidth plot."))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(REFERENCE_TOKENS))
     parser.add_argument("--impls", nargs="+", default=None, choices=[i for i in ALL_IMPLS if i != "copy"],
                         help="implementations besides the SM copy (default: the SPEC §4 set and every peer)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--no-check", action="store_true", help="skip the agreement check before timing")
-    parser.add_argument("--out", default=None, help="folder for reference_sweep.{md,json,png}")
+    parser.add_argument("--out", default=default_out, help="folder for reference_sweep.{md,json,png}")
     args = parser.parse_args(argv)
 
     failures: list[str] = []
