@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import struct
 import threading
 
@@ -278,11 +279,27 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
     return recipe
 
 
-# Heads per thread, with the relative throughput each reached at many tokens (bf16, D=128,
-# 32 + 8 heads, H200). More heads per thread reuse each thread's token offsets, position and
-# cos/sin more; fewer make more, smaller work items, which fill the last wave of blocks better
-# and shorten a decode step's critical path.
-HEADS_PER_THREAD = {8: 1.0, 4: 0.96, 2: 0.90, 1: 0.75}
+# Candidate heads per thread. More heads per thread reuse each thread's token offsets, position and
+# cos/sin more; fewer make more, smaller work items: more loads in flight across threads, a
+# better-filled last wave of blocks, and a shorter critical path for a decode step.
+HEADS_PER_THREAD = (16, 8, 4, 2, 1)
+# Relative throughput against the work one thread does per token, in pairs of 16-byte accesses
+# (NeoX, full rotary: one pair per head; interleaved: half; partial rotary out of place: plus the
+# copied dims). Measured on an H200 (bf16, 32 + 8 heads, T = 16384 and 65536): the best is ~4
+# (e.g. 4 heads of full NeoX, 2 heads of half-rotary NeoX that also copy the other half).
+_THROUGHPUT_BY_WORK = ((1, 0.75), (2, 0.93), (4, 1.0), (8, 0.96), (16, 0.85), (32, 0.75))
+
+
+def _throughput(work: float) -> float:
+    """Piecewise-linear in log2(work) through _THROUGHPUT_BY_WORK, flat beyond its ends."""
+    points = _THROUGHPUT_BY_WORK
+    if work <= points[0][0]:
+        return points[0][1]
+    for (w0, t0), (w1, t1) in zip(points, points[1:]):
+        if work <= w1:
+            f = (math.log2(work) - math.log2(w0)) / (math.log2(w1) - math.log2(w0))
+            return t0 + f * (t1 - t0)
+    return points[-1][1]
 MAX_TOKENS_PER_BLOCK = 64
 
 
@@ -307,13 +324,19 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     y: head lanes, split over blockIdx.y when they do not fit one block; z: tokens, ~256 threads
     a block. The heads per thread are chosen by a wave model: the square root of the fraction of
     the last wave of resident blocks that has work (a partial last wave runs faster, so the loss
-    is less than the idle fraction), times the measured throughput of that many heads per thread.
+    is less than the idle fraction), times the measured throughput of the work per thread that
+    many heads make (_THROUGHPUT_BY_WORK).
     """
     chunks = (plan.rotary_dim // 2) // pairs
     lanes = max(1, min(chunks, 32))
+    pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
+    # 16-byte accesses per head and thread: both halves (NeoX) or one (interleaved), plus a share
+    # of the copied dims (a copy is a load and a store, like a rotated access).
+    accesses_per_head = (1 if plan.interleaved else 2) * -(-chunks // lanes) + pass_chunks / lanes
     num_heads = max(1, plan.num_q_heads + plan.num_k_heads)
     best = None
-    for heads_per_thread, throughput in HEADS_PER_THREAD.items():
+    for heads_per_thread in HEADS_PER_THREAD:
+        throughput = _throughput(heads_per_thread * accesses_per_head / 2)
         head_lanes = -(-num_heads // heads_per_thread)
         grid_y = -(-head_lanes // max(1, THREADS_PER_BLOCK // lanes))
         block_y = -(-head_lanes // grid_y)  # 40 head lanes over 2 blocks: 20 + 20, not 32 + 8
@@ -323,8 +346,8 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
         slots_per_sm = _resident_blocks(threads, num_regs)
         waves = grid_x * grid_y / (slots_per_sm * _multiprocessors(plan.device))
         score = (waves / -(-waves // 1)) ** 0.5 * throughput
-        if heads_per_thread == 1 and waves <= 1:
-            score = float("inf")  # all of it runs at once: latency, not bandwidth, decides
+        if heads_per_thread == 1 and waves <= 0.5:
+            score = float("inf")  # a decode step: latency, not bandwidth, decides (H200: T = 1, 32)
         if best is None or score > best[0]:
             best = (score, (lanes, block_y, tokens), (min(grid_x, 2**31 - 1), grid_y))
     return best[1], best[2]
