@@ -135,7 +135,7 @@ def _recipe_key(q, k, positions, cos_sin_cache, cos, sin, options):
         pointers.append(found[1])
     theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len = options
     # Only exact bools: interleaved=1 must still reach the check that rejects it.
-    if not all(type(flag) is bool for flag in (interleaved, inverse, inplace)):
+    if not (type(interleaved) is bool and type(inverse) is bool and type(inplace) is bool):
         return None
     if scaling is not None:
         try:
