@@ -1,107 +1,98 @@
 """Inverse frequencies and cos/sin tables, computed in float64 on the host.
 
-Frequency schedules follow Hugging Face's ``rope_scaling`` dicts (``ROPE_INIT_FUNCTIONS``). Tables
-are computed in float64 from an exact float64 angle and rounded once to the requested dtype, so they
-are accurate at any position (a float32 ``pos * inv_freq`` is already ~2e-3 rad off at 131072).
+Frequency schedules follow Hugging Face's ``rope_scaling`` / ``rope_parameters`` dicts
+(``ROPE_INIT_FUNCTIONS``; the formulas live in ``schedules.py``). Tables are computed in float64 from
+an exact float64 angle and rounded once to the requested dtype, so they are accurate at any position
+(a float32 ``pos * inv_freq`` is already ~2e-3 rad off at 131072).
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import numpy as np
 
 from .dtypes import FLOAT_DTYPES, numpy_dtype, round_once
+# check_theta, rotary_dim_for, scaling_type and ROPE_TYPES are re-exported for plan.py and callers.
+from .schedules import ROPE_TYPES, check_theta, compute_frequencies, rotary_dim_for, scaling_type
 
-# rope_types Hugging Face defines that cupyrope does not compute yet.
-_PLANNED_ROPE_TYPES = ("dynamic", "yarn", "llama3", "longrope", "proportional")
-
-
-def _check_rotary_dim(rotary_dim, where: str) -> int:
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, np.integer)):
-        raise TypeError(f"{where}: rotary_dim must be an int, got {type(rotary_dim).__name__}")
-    rotary_dim = int(rotary_dim)
-    if rotary_dim < 2 or rotary_dim % 2:
-        raise ValueError(f"{where}: rotary_dim must be even and >= 2, got {rotary_dim}")
-    return rotary_dim
-
-
-def check_theta(theta, where: str) -> float:
-    try:
-        value = float(theta)
-    except (TypeError, ValueError):
-        raise TypeError(f"{where}: theta must be a number, got {type(theta).__name__}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{where}: theta must be finite and > 0, got {theta!r}")
-    return value
-
-
-def scaling_type(scaling: dict[str, Any] | None, where: str) -> str:
-    """The rope_type of a Hugging Face rope_scaling dict, checked."""
-    if scaling is None:
-        return "default"
-    if not isinstance(scaling, dict):
-        raise TypeError(
-            f"{where}: scaling must be None or a Hugging Face rope_scaling dict, "
-            f"got {type(scaling).__name__}"
-        )
-    if "mrope_section" in scaling:
-        raise NotImplementedError(f"{where}: scaling with 'mrope_section' (M-RoPE) is not supported yet")
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type in ("default", "linear"):
-        return rope_type
-    if rope_type in _PLANNED_ROPE_TYPES:
-        raise NotImplementedError(
-            f"{where}: scaling rope_type {rope_type!r} is not supported yet "
-            "(supported: 'default', 'linear')"
-        )
-    raise ValueError(
-        f"{where}: unknown scaling rope_type {rope_type!r}; expected one of "
-        f"{('default', 'linear') + _PLANNED_ROPE_TYPES}"
-    )
+__all__ = ["ROPE_TYPES", "check_theta", "compute_frequencies", "cos_sin_cache", "cos_sin_table",
+           "rope_frequencies", "rotary_dim_for", "scaling_type"]
 
 
 def rope_frequencies(rotary_dim, *, theta=10000.0, scaling=None, seq_len=None):
-    """Inverse frequencies of a RoPE schedule, in float64.
+    """Inverse frequencies and attention factor of a RoPE schedule, in float64.
+
+    The same numbers as Hugging Face's ``ROPE_INIT_FUNCTIONS`` (and the models' default schedule),
+    computed in float64 instead of float32; the attention factor is bit for bit Hugging Face's.
 
     Parameters
     ----------
     rotary_dim : int
-        Number of rotated dims (even); there are ``rotary_dim // 2`` frequencies.
+        Number of rotated dims (even); there are ``rotary_dim // 2`` frequencies. This is Hugging
+        Face's ``dim = int(head_dim * partial_rotary_factor)``, except for ``proportional``, where it
+        is head_dim (that schedule spans the whole head).
     theta : float
-        The RoPE base (``rope_theta``).
+        The RoPE base, used when ``scaling`` has no ``rope_theta``; when it has one, theta must be
+        left at its default (10000.0) or equal it.
     scaling : dict, optional
-        A Hugging Face ``rope_scaling`` dict: ``{"rope_type": "default"}`` or
-        ``{"rope_type": "linear", "factor": f}``.
+        A Hugging Face ``rope_scaling`` (legacy, ``"type"`` or ``"rope_type"``) or transformers 5
+        ``rope_parameters`` dict. ``rope_type`` (default ``"default"``) and its keys:
+
+        - ``default``: none.
+        - ``linear``: ``factor``.
+        - ``dynamic`` (NTK): ``factor``, ``max_position_embeddings`` (the config's); uses seq_len.
+        - ``yarn``: ``factor`` (absent or None: ``max_position_embeddings /
+          original_max_position_embeddings``), ``original_max_position_embeddings``; optional
+          ``beta_fast`` (32), ``beta_slow`` (1), ``mscale``, ``mscale_all_dim``,
+          ``attention_factor``, ``truncate`` (True).
+        - ``llama3``: ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+          ``original_max_position_embeddings``.
+        - ``longrope`` (also ``"su"``): ``short_factor``, ``long_factor`` (``rotary_dim // 2``
+          numbers each), ``original_max_position_embeddings``; optional ``factor`` (absent:
+          ``max_position_embeddings / original_max_position_embeddings``), ``attention_factor``;
+          uses seq_len.
+        - ``proportional``: optional ``factor`` (1), ``partial_rotary_factor`` (1).
+
+        Every type also takes ``rope_theta``, ``partial_rotary_factor`` (in (0, 1]; only
+        ``proportional`` and ``apply_rope``'s default rotary_dim use it) and, standing in for an
+        absent ``original_max_position_embeddings``, ``max_position_embeddings``. Keys a type does
+        not read give a UserWarning. ``mrope_section`` (M-RoPE) raises NotImplementedError.
     seq_len : int, optional
-        Sequence length for length-dependent schedules (none of the supported ones uses it).
+        The sequence length (Hugging Face: ``max(position_ids) + 1``) for the length-dependent
+        schedules: ``dynamic`` scales by ``max(seq_len, max_position_embeddings)`` (None: no
+        change); ``longrope`` takes ``long_factor`` when ``seq_len >
+        original_max_position_embeddings``, else (None included) ``short_factor``.
 
     Returns
     -------
     inv_freq : numpy.ndarray, float64, shape ``(rotary_dim // 2,)``
-        ``theta ** (-2 j / rotary_dim)``, divided by ``factor`` for linear scaling.
+        Pair ``j`` turns by ``position * inv_freq[j]``.
     attention_factor : float
-        The factor that multiplies cos and sin (1.0 for default and linear).
+        Multiplies cos and sin (1.0 except for ``yarn`` and ``longrope``).
+
+    Raises
+    ------
+    ValueError
+        Unknown rope_type (the message lists the known ones), a missing key (named), or
+        inconsistent values (factor <= 0, beta_fast < beta_slow, low_freq_factor >=
+        high_freq_factor, factor lists of the wrong length, theta and rope_theta disagreeing ...).
 
     Examples
     --------
     >>> inv_freq, attention_factor = rope_frequencies(8, theta=10000.0)
     >>> inv_freq.round(6).tolist(), attention_factor
     ([1.0, 0.1, 0.01, 0.001], 1.0)
+    >>> llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    ...            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    ...            "rope_theta": 500000.0}
+    >>> inv_freq, attention_factor = rope_frequencies(128, scaling=llama31)
+    >>> inv_freq.shape, attention_factor
+    ((64,), 1.0)
+    >>> yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    >>> round(rope_frequencies(128, theta=1e6, scaling=yarn)[1], 6)
+    1.138629
     """
-    where = "rope_frequencies"
-    rotary_dim = _check_rotary_dim(rotary_dim, where)
-    theta = check_theta(theta, where)
-    kind = scaling_type(scaling, where)
-    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
-    inv_freq = 1.0 / theta**exponents
-    if kind == "linear":
-        factor = scaling.get("factor")
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-            raise ValueError(f"{where}: linear scaling needs a 'factor' > 0, got {factor!r}")
-        inv_freq = inv_freq / float(factor)
-    return inv_freq, 1.0
+    return compute_frequencies(rotary_dim, theta=theta, scaling=scaling, seq_len=seq_len,
+                               where="rope_frequencies")
 
 
 def cos_sin_table(positions: np.ndarray, inv_freq: np.ndarray, attention_factor: float):
@@ -121,8 +112,9 @@ def cos_sin_cache(max_position, rotary_dim, *, theta=10000.0, scaling=None, dtyp
     rotary_dim : int
         Rotated dims; the cache is ``rotary_dim`` wide.
     theta, scaling :
-        As for :func:`rope_frequencies` (``seq_len`` of length-dependent schedules is
-        ``max_position``).
+        As for :func:`rope_frequencies`. Length-dependent schedules take ``max_position`` as their
+        ``seq_len`` (``dynamic`` scales to it; ``longrope`` uses its long factors for the whole
+        cache when ``max_position > original_max_position_embeddings``).
     dtype : str
         ``"float32"`` (recommended), ``"float64"``, ``"float16"`` or ``"bfloat16"``.
     like : array, optional
@@ -132,7 +124,7 @@ def cos_sin_cache(max_position, rotary_dim, *, theta=10000.0, scaling=None, dtyp
     -------
     cache : array, shape ``(max_position, rotary_dim)``
         ``cache[p, :rotary_dim // 2]`` is cos, ``cache[p, rotary_dim // 2:]`` is sin of
-        ``p * inv_freq``.
+        ``p * inv_freq``, both times the schedule's attention factor.
 
     Examples
     --------
@@ -147,8 +139,9 @@ def cos_sin_cache(max_position, rotary_dim, *, theta=10000.0, scaling=None, dtyp
         raise ValueError(f"{where}: max_position must be >= 0, got {max_position}")
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{where}: dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
-    inv_freq, attention_factor = rope_frequencies(
-        rotary_dim, theta=theta, scaling=scaling, seq_len=int(max_position)
+    # Length-dependent schedules (dynamic, longrope) see the cache's length as the sequence length.
+    inv_freq, attention_factor = compute_frequencies(
+        rotary_dim, theta=theta, scaling=scaling, seq_len=int(max_position), where=where
     )
     cos, sin = cos_sin_table(np.arange(int(max_position)), inv_freq, attention_factor)
     cache = round_once(np.concatenate([cos, sin], axis=-1), dtype)

@@ -12,7 +12,7 @@ import numpy as np
 
 from .arrays import ArrayInfo, describe, host_view, requires_grad
 from .dtypes import FLOAT_DTYPES, POSITION_DTYPES
-from .frequencies import check_theta, rope_frequencies, scaling_type
+from .frequencies import check_theta, compute_frequencies, rotary_dim_for
 from .kernels import AngleSource
 
 
@@ -228,12 +228,12 @@ def _plan_cache(cache: ArrayInfo, q: ArrayInfo, rotary_dim):
 
 
 def _plan_computed(theta, scaling, seq_len, rotary_dim, head_dim):
-    rotary_dim = head_dim if rotary_dim is None else rotary_dim
     check_theta(theta, "apply_rope")
-    scaling_type(scaling, "apply_rope")
+    # head_dim, or int(head_dim * partial_rotary_factor) when scaling has one (Hugging Face's dim)
+    rotary_dim = rotary_dim_for(head_dim, scaling, rotary_dim, "apply_rope")
     _check_rotary_dim(rotary_dim, head_dim)
-    inv_freq, attention_factor = rope_frequencies(rotary_dim, theta=theta, scaling=scaling,
-                                                  seq_len=seq_len)
+    inv_freq, attention_factor = compute_frequencies(rotary_dim, theta=theta, scaling=scaling,
+                                                     seq_len=seq_len, where="apply_rope")
     return rotary_dim, dict(source=AngleSource.COMPUTED, inv_freq=inv_freq,
                             attention_factor=attention_factor)
 

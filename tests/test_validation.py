@@ -129,13 +129,22 @@ CASES = {
                                                  ValueError, "factor", None),
     "scaling_linear_no_factor": lambda a: (a.q, a.k, {"scaling": {"rope_type": "linear"}},
                                            ValueError, "factor", None),
-    **{
-        f"scaling_{name}": (lambda name: lambda a: (
-            a.q, a.k, {"scaling": {"rope_type": name, "factor": 8.0, "original_max_position_embeddings": 8192,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
-            NotImplementedError, name, None))(name)
-        for name in ("dynamic", "yarn", "llama3", "longrope", "proportional")
-    },
+    # Every Hugging Face schedule is computed; what is wrong in a dict is named.
+    "scaling_dynamic_no_max": lambda a: (a.q, a.k, {"scaling": {"rope_type": "dynamic", "factor": 2.0}},
+                                         ValueError, "max_position_embeddings", None),
+    "scaling_yarn_beta": lambda a: (a.q, a.k, {"scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 4096,
+                                                            "beta_fast": 1, "beta_slow": 8}},
+                                    ValueError, "beta", None),
+    "scaling_llama3_no_low": lambda a: (a.q, a.k, {"scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                                "high_freq_factor": 4.0,
+                                                                "original_max_position_embeddings": 8192}},
+                                        ValueError, "low_freq_factor", None),
+    "scaling_longrope_length": lambda a: (a.q, a.k, {"scaling": {"rope_type": "longrope", "factor": 4.0,
+                                                                  "original_max_position_embeddings": 4096,
+                                                                  "short_factor": [1.0] * 31,
+                                                                  "long_factor": [1.0] * 32}},
+                                          ValueError, "short_factor", "32"),
     "scaling_mrope": lambda a: (a.q, a.k, {"scaling": {"rope_type": "default", "mrope_section": [16, 24, 24]}},
                                 NotImplementedError, "mrope", None),
     # --- validate ----------------------------------------------------------------------------------
@@ -244,13 +253,14 @@ def test_inplace_q_is_k(randn, rng):
     (lambda: cr.cos_sin_cache(-1, 64), ValueError, "max_position"),
     (lambda: cr.cos_sin_cache(128, 64, dtype="int32"), TypeError, "dtype"),
     (lambda: cr.cos_sin_cache(128, 64, scaling={"rope_type": "banana"}), ValueError, "scaling|rope_type"),
-    (lambda: cr.cos_sin_cache(128, 64, scaling={"rope_type": "llama3", "factor": 8.0}), NotImplementedError,
-     "llama3"),
+    (lambda: cr.cos_sin_cache(128, 64, scaling={"rope_type": "llama3", "factor": 8.0}), ValueError,
+     "low_freq_factor"),
     (lambda: cr.cos_sin_cache(128, 64, scaling={"rope_type": "linear", "factor": 0.0}), ValueError, "factor"),
     (lambda: cr.rope_frequencies(63), ValueError, "rotary_dim"),
     (lambda: cr.rope_frequencies(64, theta=-1.0), ValueError, "theta"),
     (lambda: cr.rope_frequencies(64, scaling={"rope_type": "banana"}), ValueError, "scaling|rope_type"),
-    (lambda: cr.rope_frequencies(64, scaling={"type": "yarn", "factor": 4.0}), NotImplementedError, "yarn"),
+    (lambda: cr.rope_frequencies(64, scaling={"type": "yarn", "factor": 4.0}), ValueError,
+     "original_max_position_embeddings"),
 ], ids=["cache_odd", "cache_zero", "cache_theta0", "cache_theta_nan", "cache_maxpos", "cache_dtype",
         "cache_scaling_unknown", "cache_llama3", "cache_factor0", "freq_odd", "freq_theta", "freq_unknown",
         "freq_yarn_legacy_key"])
