@@ -13,6 +13,7 @@ from .dtypes import compute_dtype
 from .frequencies import cos_sin_table
 from .kernels import AngleSource
 from .plan import RopePlan
+from .schedules import MROPE_NONE, mrope_components
 
 
 def _token_view(table: np.ndarray, strides: tuple[int, ...], token_shape, columns) -> np.ndarray:
@@ -26,12 +27,22 @@ def _token_view(table: np.ndarray, strides: tuple[int, ...], token_shape, column
 
 
 def _positions(plan: RopePlan) -> np.ndarray:
+    """Positions of every token, ``token_shape``; under M-RoPE the position of every token and
+    pair, ``token_shape + (rotary_dim // 2,)`` (each pair's own component)."""
     token_shape = plan.token_shape
     if plan.positions is None:
         last = token_shape[-1] if token_shape else 1
         return np.broadcast_to(np.arange(last, dtype=np.int64), token_shape or (1,)).reshape(
             token_shape)
     values = np.asarray(host_view(plan.positions)).astype(np.int64)
+    if plan.mrope_mode != MROPE_NONE:
+        per_component = [_broadcast_positions(v, token_shape) for v in values]  # 3 x token_shape
+        components = mrope_components(plan.mrope_mode, plan.mrope_sections, plan.rotary_dim // 2)
+        return np.stack(per_component, axis=-1)[..., components]
+    return _broadcast_positions(values, token_shape)
+
+
+def _broadcast_positions(values: np.ndarray, token_shape) -> np.ndarray:
     return np.broadcast_to(values.reshape(values.shape[max(0, values.ndim - len(token_shape)):]),
                            token_shape)
 
@@ -41,15 +52,27 @@ def cos_sin_per_token(plan: RopePlan) -> tuple[np.ndarray, np.ndarray]:
     compute = compute_dtype(plan.q.dtype)
     half = plan.rotary_dim // 2
     if plan.source == AngleSource.COMPUTED:
-        cos, sin = cos_sin_table(_positions(plan), plan.inv_freq, plan.attention_factor)
+        positions = _positions(plan)
+        if plan.mrope_mode != MROPE_NONE:  # already one position per pair
+            angles = positions.astype(np.float64) * plan.inv_freq
+            cos = np.cos(angles) * plan.attention_factor
+            sin = np.sin(angles) * plan.attention_factor
+        else:
+            cos, sin = cos_sin_table(positions, plan.inv_freq, plan.attention_factor)
         cos, sin = cos.astype(compute), sin.astype(compute)
     elif plan.source == AngleSource.CACHE_TABLE:
         cache = np.asarray(host_view(plan.cache))
         positions = _positions(plan)
         inside = (positions >= 0) & (positions < cache.shape[0])
-        rows = cache[np.where(inside, positions, 0)]  # never index outside the cache
-        cos = rows[..., :half].astype(compute)
-        sin = rows[..., half:2 * half].astype(compute)
+        safe = np.where(inside, positions, 0)  # never index outside the cache
+        if plan.mrope_mode != MROPE_NONE:  # one row per pair: gather entry j of row positions[..., j]
+            columns = np.arange(half)
+            cos = cache[safe, columns].astype(compute)
+            sin = cache[safe, columns + half].astype(compute)
+        else:
+            rows = cache[safe]
+            cos = rows[..., :half].astype(compute)
+            sin = rows[..., half:2 * half].astype(compute)
         cos[~inside] = np.nan
         sin[~inside] = np.nan
     else:

@@ -39,7 +39,8 @@ PARAMS_DTYPE = np.dtype(
         "q_head_stride", "k_head_stride", "q_out_head_stride", "k_out_head_stride",
         "num_q_heads", "num_k_heads", "head_dim", "rotary_dim", "table_row_stride",
         "cos_col_stride", "sin_col_stride", "max_position", "positions_are_int64",
-        "table_vector_ok", "copy_pass_through")]
+        "table_vector_ok", "copy_pass_through", "mrope_mode")]
+    + [("mrope_section", np.int64, (3,)), ("positions_component_stride", np.int64)]
     + [("sin_sign", np.float64), ("attention_factor", np.float64)]
 )
 
@@ -242,6 +243,10 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
     p["attention_factor"] = plan.attention_factor
     if plan.positions is not None:
         p["positions_are_int64"] = plan.positions.dtype == "int64"
+    if plan.mrope_mode:
+        p["mrope_mode"] = plan.mrope_mode
+        p["mrope_section"] = plan.mrope_sections
+        p["positions_component_stride"] = plan.positions_component_stride
 
     table_dtype = "float32"
     cos_ptr = sin_ptr = 0

@@ -14,6 +14,7 @@ from .arrays import ArrayInfo, describe, host_view, requires_grad
 from .dtypes import FLOAT_DTYPES, POSITION_DTYPES
 from .frequencies import check_theta, compute_frequencies, rotary_dim_for
 from .kernels import AngleSource
+from .schedules import MROPE_NONE, mrope_layout
 
 
 @dataclass
@@ -43,6 +44,11 @@ class RopePlan:
     sin_col_stride: int = 1
     inv_freq: np.ndarray | None = None  # computed angles: float64 [rotary_dim // 2]
     attention_factor: float = 1.0
+    # M-RoPE (schedules.mrope_layout): positions are [3, ...] (temporal, height, width) and each
+    # pair takes its angle from one component.
+    mrope_mode: int = MROPE_NONE
+    mrope_sections: tuple[int, int, int] | None = None
+    positions_component_stride: int = 0
 
     @property
     def device(self) -> int | None:
@@ -178,6 +184,11 @@ def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=No
     if cos is not None:
         if positions is not None:
             raise ValueError("apply_rope: positions must be None when cos/sin tables are given")
+        if isinstance(scaling, dict) and scaling.get("mrope_section") is not None:
+            raise ValueError(
+                "apply_rope: M-RoPE (scaling['mrope_section']) needs [3, ...] positions: it applies "
+                "to angles computed from theta and to a cos_sin_cache, not to cos/sin tables"
+            )
         plan = _plan_token_tables(plan_args, describe(cos, "cos"), describe(sin, "sin"), rotary_dim)
     else:
         rotary_dim, source_args = (
@@ -186,6 +197,9 @@ def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=No
             else _plan_computed(theta, scaling, seq_len, rotary_dim, head_dim)
         )
         plan = RopePlan(rotary_dim=rotary_dim, **plan_args, **source_args)
+        if isinstance(scaling, dict):
+            # With a cache only the M-RoPE keys of scaling matter: the cache holds the schedule.
+            plan.mrope_mode, plan.mrope_sections = mrope_layout(scaling, rotary_dim, "apply_rope")
         _plan_positions(plan, positions)
 
     _check_rotary_dim(plan.rotary_dim, head_dim)
@@ -241,6 +255,8 @@ def _plan_computed(theta, scaling, seq_len, rotary_dim, head_dim):
 def _plan_positions(plan: RopePlan, positions) -> None:
     token_shape = plan.token_shape
     if positions is None:
+        if plan.mrope_mode != MROPE_NONE:
+            raise ValueError("apply_rope: M-RoPE needs positions of shape [3, ...]; got None")
         # arange along the last token dim (axis -3 of q); one token at position 0 for [H, D].
         plan.positions_strides = tuple(1 if i == len(token_shape) - 1 else 0
                                        for i in range(len(token_shape)))
@@ -250,8 +266,16 @@ def _plan_positions(plan: RopePlan, positions) -> None:
         raise TypeError(f"apply_rope: positions must be int32 or int64, got {info.dtype}")
     _check_same_device(info, plan.q, "positions")
     plan.positions = info
-    plan.positions_strides = _broadcast_strides(info, info.shape, token_shape, info.strides,
-                                                "positions")
+    shape, strides = info.shape, info.strides
+    if plan.mrope_mode != MROPE_NONE:
+        if info.ndim < 1 or shape[0] != 3:
+            raise ValueError(
+                f"apply_rope: M-RoPE needs positions of shape [3, ...] (temporal, height, width), "
+                f"the rest broadcastable to the token dims {token_shape}; got {shape}"
+            )
+        plan.positions_component_stride = strides[0]
+        shape, strides = shape[1:], strides[1:]
+    plan.positions_strides = _broadcast_strides(info, shape, token_shape, strides, "positions")
 
 
 def _plan_token_tables(plan_args: dict, cos: ArrayInfo, sin: ArrayInfo, rotary_dim) -> RopePlan:

@@ -51,7 +51,8 @@ DEFAULT_THETA = 10000.0
 # Keys that any dict may carry without a warning: the type, the base, the rotated fraction and the
 # config lengths (a user may copy them into every dict).
 _COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor",
-                          "max_position_embeddings", "original_max_position_embeddings"})
+                          "max_position_embeddings", "original_max_position_embeddings",
+                          "mrope_section", "mrope_interleaved"})
 # Keys each schedule reads besides the common ones.
 _SCHEDULE_KEYS = {
     "default": frozenset(),
@@ -104,7 +105,7 @@ def scaling_type(scaling: Mapping[str, Any] | None, where: str) -> str:
     """The rope_type of a Hugging Face rope_scaling / rope_parameters dict, checked.
 
     ``"type"`` is the legacy spelling of ``"rope_type"`` (both may be given if they agree); no type
-    means ``"default"``. A dict with ``mrope_section`` (M-RoPE) raises NotImplementedError.
+    means ``"default"``. ``mrope_section`` (M-RoPE) may come with any type: see :func:`mrope_layout`.
     """
     if scaling is None:
         return "default"
@@ -113,8 +114,6 @@ def scaling_type(scaling: Mapping[str, Any] | None, where: str) -> str:
             f"{where}: scaling must be None or a Hugging Face rope_scaling dict, "
             f"got {type(scaling).__name__}"
         )
-    if "mrope_section" in scaling:
-        raise NotImplementedError(f"{where}: scaling with 'mrope_section' (M-RoPE) is not supported yet")
     nested = [key for key, value in scaling.items() if isinstance(value, Mapping)]
     if nested:
         raise ValueError(
@@ -468,6 +467,7 @@ def compute_frequencies(rotary_dim, *, theta=DEFAULT_THETA, scaling=None, seq_le
     seq_len = check_seq_len(seq_len, where)
     params = scaling or {}
     partial_rotary_factor(params, where)  # checked for every type, used by proportional
+    mrope_layout(params, rotary_dim, where)  # M-RoPE keys checked here too; plan.py uses them
     schedule = _Schedule(rope_type, rotary_dim, base, params, seq_len, where)
     inv_freq, attention_factor = _COMPUTE[rope_type](schedule)
 
@@ -487,3 +487,52 @@ def compute_frequencies(rotary_dim, *, theta=DEFAULT_THETA, scaling=None, seq_le
             f"factor that is not > 0 ({attention_factor!r}); check the values of scaling"
         )
     return inv_freq, attention_factor
+
+
+# M-RoPE (multimodal RoPE): positions carry 3 components (temporal, height, width) and each
+# frequency takes its angle from one of them.
+MROPE_NONE, MROPE_SECTIONED, MROPE_INTERLEAVED = 0, 1, 2
+
+
+def mrope_layout(scaling: Mapping[str, Any] | None, rotary_dim: int, where: str):
+    """``(mode, sections)`` of a dict's M-RoPE, or ``(MROPE_NONE, None)`` without ``mrope_section``.
+
+    Sectioned (Qwen2-VL, Qwen2.5-VL): frequencies ``[0, s0)`` take the temporal position,
+    ``[s0, s0 + s1)`` the height, the rest the width. Interleaved (Qwen3-VL, ``mrope_interleaved``
+    true): frequency ``j`` takes the height when ``j % 3 == 1 and j < 3 * s1``, the width when
+    ``j % 3 == 2 and j < 3 * s2``, else the temporal position. As in Hugging Face, the sections
+    count frequencies (pairs) and add up to ``rotary_dim // 2``.
+    """
+    if not scaling or scaling.get("mrope_section") is None:
+        if scaling and scaling.get("mrope_interleaved"):
+            raise ValueError(f"{where}: scaling['mrope_interleaved'] needs an 'mrope_section'")
+        return MROPE_NONE, None
+    sections = scaling["mrope_section"]
+    if (isinstance(sections, (str, bytes)) or not hasattr(sections, "__len__") or len(sections) != 3
+            or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0
+                   for v in sections)):
+        raise ValueError(
+            f"{where}: scaling['mrope_section'] must be 3 non-negative ints (temporal, height, width "
+            f"frequencies), got {sections!r}"
+        )
+    sections = tuple(int(v) for v in sections)
+    if sum(sections) != rotary_dim // 2:
+        raise ValueError(
+            f"{where}: scaling['mrope_section'] {list(sections)} must add up to rotary_dim // 2 = "
+            f"{rotary_dim // 2} frequencies, got {sum(sections)}"
+        )
+    interleaved = scaling.get("mrope_interleaved", False)
+    if not isinstance(interleaved, (bool, np.bool_)):
+        raise TypeError(f"{where}: scaling['mrope_interleaved'] must be a bool, got {interleaved!r}")
+    return (MROPE_INTERLEAVED if interleaved else MROPE_SECTIONED), sections
+
+
+def mrope_components(mode: int, sections, half: int) -> np.ndarray:
+    """The position component (0 temporal, 1 height, 2 width) of each of ``half`` frequencies."""
+    j = np.arange(half)
+    if mode == MROPE_SECTIONED:
+        return np.searchsorted(np.cumsum(sections), j, side="right")
+    component = np.zeros(half, dtype=np.int64)
+    component[(j % 3 == 1) & (j < 3 * sections[1])] = 1
+    component[(j % 3 == 2) & (j < 3 * sections[2])] = 2
+    return component

@@ -72,11 +72,35 @@ __device__ __forceinline__ TokenOffsets<Index> token_offsets(const RopeParams& p
   return o;
 }
 
+// M-RoPE: the position component (0 temporal, 1 height, 2 width) a pair takes its angle from.
+template <typename Index>
+__device__ __forceinline__ int mrope_component(const RopeParams& p, Index pair) {
+  const Index s0 = static_cast<Index>(p.mrope_section[0]);
+  const Index s1 = static_cast<Index>(p.mrope_section[1]);
+  if (p.mrope_mode == 1) return pair < s0 ? 0 : (pair < s0 + s1 ? 1 : 2);
+  const Index s2 = static_cast<Index>(p.mrope_section[2]);
+  const Index r = pair % 3;
+  if (r == 1 && pair < 3 * s1) return 1;
+  if (r == 2 && pair < 3 * s2) return 2;
+  return 0;
+}
+
 template <typename Index>
 __device__ __forceinline__ long long load_position(const RopeParams& p, Index offset) {
   if (p.positions == nullptr) return offset;  // implicit arange: the offset is the index
   if (p.positions_are_int64) return static_cast<const long long*>(p.positions)[offset];
   return static_cast<const int*>(p.positions)[offset];
+}
+
+// The position pair `pair` takes its angle from: `position` itself, or under M-RoPE its height or
+// width component, re-read (from L1) rather than kept in registers through the whole token.
+template <typename Index>
+__device__ __forceinline__ long long pair_position(const RopeParams& p, Index offset,
+                                                   long long position, Index pair) {
+  if (!p.mrope_mode) return position;
+  const int component = mrope_component(p, pair);
+  if (component == 0) return position;
+  return load_position(p, offset + component * static_cast<Index>(p.positions_component_stride));
 }
 
 // The elements of one head that one thread rotates: P pairs, as one access per half (NeoX) or
@@ -167,6 +191,7 @@ void rope_kernel(const RopeParams p) {
   for (Index token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
        token < num_tokens; token += token_step) {
     const TokenOffsets<Index> o = token_offsets(p, token);
+    // The position (M-RoPE: its temporal component; pair_position reads the others).
     long long position = 0;
     if constexpr (SOURCE != kTokenTables) position = load_position(p, o.positions);
 
@@ -182,8 +207,9 @@ void rope_kernel(const RopeParams p) {
         const C factor = static_cast<C>(p.attention_factor);
 #pragma unroll
         for (int i = 0; i < P; ++i) {
+          const long long pos = pair_position(p, o.positions, position, pair0 + i);
           C s, c;
-          accurate_sincos(static_cast<double>(position) * p.inv_freq[pair0 + i], &s, &c);
+          accurate_sincos(static_cast<double>(pos) * p.inv_freq[pair0 + i], &s, &c);
           cos_v[i] = c * factor;
           sin_v[i] = s * factor * sin_sign;
         }
@@ -196,7 +222,20 @@ void rope_kernel(const RopeParams p) {
           cos_row = sin_row =
               row_valid ? static_cast<Index>(position) * static_cast<Index>(p.table_row_stride) : 0;
         }
-        if (row_valid) {
+        if (SOURCE == kCacheTable && p.mrope_mode) {
+          // M-RoPE from a cache: each pair reads the row of its own position component.
+#pragma unroll
+          for (int i = 0; i < P; ++i) {
+            const long long pos = pair_position(p, o.positions, position, pair0 + i);
+            if (pos >= 0 && pos < p.max_position) {
+              const Index row = static_cast<Index>(pos) * static_cast<Index>(p.table_row_stride);
+              cos_v[i] = Convert<C>::from(cos_table[row + (pair0 + i) * cos_col_stride]);
+              sin_v[i] = Convert<C>::from(sin_table[row + (pair0 + i) * sin_col_stride]) * sin_sign;
+            } else {
+              cos_v[i] = sin_v[i] = quiet_nan<C>();
+            }
+          }
+        } else if (row_valid) {
           load_table(cos_v, cos_table + cos_row + pair0 * cos_col_stride, cos_col_stride,
                      table_vector_ok);
           load_table(sin_v, sin_table + sin_row + pair0 * sin_col_stride, sin_col_stride,

@@ -45,6 +45,12 @@ struct RopeParams {
   long long positions_are_int64; // else int32
   long long table_vector_ok;     // rows contiguous and aligned for vector loads
   long long copy_pass_through;   // out of place with rotary_dim < head_dim
+  // M-RoPE: 0 off; 1 sectioned (Qwen2-VL: pairs [0, s0) temporal, then s1 height, s2 width);
+  // 2 interleaved (Qwen3-VL: pair j height if j % 3 == 1 and j < 3 s1, width if j % 3 == 2 and
+  // j < 3 s2, else temporal). positions then hold 3 components, this many elements apart.
+  long long mrope_mode;
+  long long mrope_section[3];
+  long long positions_component_stride;
 
   double sin_sign;               // -1 rotates backwards (inverse / gradient)
   double attention_factor;       // multiplies cos and sin of in-kernel angles
