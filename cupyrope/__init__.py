@@ -11,7 +11,7 @@ take a vectorised NumPy path with the same semantics.
 from .api import apply_rope
 from .frequencies import cos_sin_cache, rope_frequencies
 from .kernels import AngleSource, warmup
-from .positions import varlen_positions
+from .positions import context_parallel_positions, te_positions, varlen_positions
 
 __version__ = "0.1.0"
 
@@ -30,8 +30,10 @@ __all__ = [
     "AngleSource",
     "apply_rope",
     "clear_cache",
+    "context_parallel_positions",
     "cos_sin_cache",
     "rope_frequencies",
+    "te_positions",
     "varlen_positions",
     "warmup",
 ]

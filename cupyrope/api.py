@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from .arrays import empty_like_caller, finish, gpu_array_key, host_view, new_gpu_outputs
@@ -43,8 +44,9 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     theta : float
         RoPE base for angles computed in the kernel (neither table given).
     scaling : dict, optional
-        Hugging Face ``rope_scaling`` dict: ``{"rope_type": "default"}`` or
-        ``{"rope_type": "linear", "factor": f}``.
+        A Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (default, linear, dynamic,
+        yarn, llama3, longrope, proportional; ``mrope_section`` for M-RoPE with ``[3, ...]``
+        positions). See the README's "Frequency schedules".
     interleaved : bool
         False: NeoX pairing, dim ``j`` with ``j + rotary_dim // 2`` (``rotate_half``).
         True: GPT-J pairing, dim ``2j`` with ``2j + 1``.
@@ -59,13 +61,20 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
         With a cache, read positions on the host and raise IndexError for rows outside it
         (this synchronises; off by default).
     seq_len : int, optional
-        Sequence length for length-dependent frequency schedules.
+        Sequence length for the length-dependent schedules (dynamic, longrope); Hugging Face uses
+        ``max(position_ids) + 1``.
 
     Returns
     -------
     q_out, or (q_out, k_out) when k is given
         Arrays of q's type on q's device: for pair ``(x1, x2)`` at angle ``a``,
         ``(x1 cos a - x2 sin a, x2 cos a + x1 sin a)``.
+
+    Notes
+    -----
+    Differentiable in q and k: torch tensors that require grad go through the ``torch.library``
+    operators of :mod:`cupyrope.torch_ops` (also what ``torch.compile`` traces), JAX tracers
+    (``jax.grad`` / ``jax.jit`` / ``jax.vmap``) through :mod:`cupyrope.jax_ops`.
 
     Examples
     --------
@@ -77,6 +86,19 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     >>> bool(np.allclose(q_back, q, atol=1e-5))
     True
     """
+    if _compiling():  # torch.compile / export tracing: the traceable custom op
+        return _torch_ops().apply_rope(
+            q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
+            scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
+            inplace=inplace, validate=validate, seq_len=seq_len)
+    return _rotate(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, interleaved,
+                   rotary_dim, inverse, inplace, validate, seq_len)
+
+
+def _rotate(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
+            inverse, inplace, validate, seq_len):
+    """apply_rope outside torch.compile tracing: the repeat-call path first, then the full one
+    (the custom ops of cupyrope.torch_ops call this on detached tensors)."""
     options = (theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len)
     key = None if validate else _recipe_key(q, k, positions, cos_sin_cache, cos, sin, options)
     if key is not None:
@@ -88,6 +110,13 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
             result = _replay(recipe, q, k, key[1], inplace)
             if result is not None:
                 return result
+
+    route = _framework_route(q, k, positions, cos_sin_cache, cos, sin)
+    if route is not None:  # differentiation or tracing needs the framework's own machinery
+        return route.apply_rope(
+            q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
+            scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
+            inplace=inplace, validate=validate, seq_len=seq_len)
 
     plan = plan_rope(q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
                      scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim,
@@ -120,6 +149,47 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     return results[0] if plan.k is None else (results[0], results[1])
 
 
+def _compiling_before_torch() -> bool:
+    """False until torch is imported; then ``torch.compiler.is_compiling`` takes this function's
+    place (one call, ~0.07 us, ahead of the repeat-call path)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    global _compiling
+    _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or _never
+    return _compiling()
+
+
+def _never() -> bool:
+    return False
+
+
+_compiling = _compiling_before_torch
+
+
+def _torch_ops():
+    from . import torch_ops
+
+    return torch_ops
+
+
+def _framework_route(q, k, positions, cos_sin_cache, cos, sin):
+    """The module that must run this call, or None for the array path: torch tensors that require
+    grad (grad mode on) go through the differentiable custom ops of ``cupyrope.torch_ops``, JAX
+    tracers (``jax.grad``, ``jax.jit``, ``jax.vmap``) through ``cupyrope.jax_ops``. Neither
+    framework is imported here: only one the caller has already imported is asked."""
+    if "torch" in sys.modules:
+        torch_ops = _torch_ops()
+        if torch_ops.needs_autograd(q, k):
+            return torch_ops
+    if "jax" in sys.modules:
+        from . import jax_ops
+
+        if jax_ops.is_traced(q, k, positions, cos_sin_cache, cos, sin):
+            return jax_ops
+    return None
+
+
 def _recipe_key(q, k, positions, cos_sin_cache, cos, sin, options):
     """(hashable key, data pointers) for a call on CUDA torch tensors / CuPy arrays, else None."""
     metas, pointers = [], []
@@ -138,8 +208,9 @@ def _recipe_key(q, k, positions, cos_sin_cache, cos, sin, options):
     if not (type(interleaved) is bool and type(inverse) is bool and type(inplace) is bool):
         return None
     if scaling is not None:
-        try:
-            scaling = tuple(sorted(scaling.items()))
+        try:  # lists (LongRoPE factors, mrope_section) as tuples, so the key hashes
+            scaling = tuple(sorted((key, tuple(value) if isinstance(value, list) else value)
+                                   for key, value in scaling.items()))
             hash(scaling)
         except (AttributeError, TypeError):
             return None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .arrays import ArrayInfo, describe, host_view, requires_grad
+from .arrays import ArrayInfo, describe, host_view
 from .dtypes import FLOAT_DTYPES, POSITION_DTYPES
 from .frequencies import check_theta, compute_frequencies, rotary_dim_for
 from .kernels import AngleSource
@@ -112,11 +112,6 @@ def _check_rotated(info: ArrayInfo, name: str) -> None:
         raise ValueError(
             f"apply_rope: {name} must have stride 1 in its last dim (head_dim), got strides "
             f"{info.strides}; every other stride may be anything"
-        )
-    if requires_grad(info):
-        raise NotImplementedError(
-            f"apply_rope: {name} requires grad; autograd through apply_rope is not supported yet: "
-            "call it under torch.no_grad() or pass detached tensors"
         )
 
 

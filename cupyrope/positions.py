@@ -66,3 +66,197 @@ def _to_host(info) -> np.ndarray:
     if info.on_gpu:
         return info.view.get() if info.view is not None else info.obj.cpu().numpy()
     return np.asarray(host_view(info))
+
+
+# ----------------------------------------------------------------------------------------------
+# Training layouts: context parallelism and TransformerEngine's formats
+
+TE_FORMATS = ("sbhd", "bshd", "thd")
+
+
+def _int(value, name: str, where: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_cp(cp_size, cp_rank, where: str) -> tuple[int, int]:
+    cp_size = _int(cp_size, "cp_size", where, minimum=1)
+    cp_rank = _int(cp_rank, "cp_rank", where, minimum=0)
+    if cp_rank >= cp_size:
+        raise ValueError(f"{where}: cp_rank must be < cp_size ({cp_size}), got {cp_rank}")
+    return cp_size, cp_rank
+
+
+def _host_ints(x, name: str, where: str):
+    info = describe(x, name)
+    if info.dtype not in ("int32", "int64"):
+        raise TypeError(f"{where}: {name} must be int32 or int64, got {info.dtype}")
+    return info, _to_host(info).astype(np.int64)
+
+
+def _cp_rank_positions(lengths: np.ndarray, cp_size: int, cp_rank: int) -> np.ndarray:
+    """Positions of one rank's rows, sequence after sequence, for full sequence ``lengths``.
+
+    Each sequence is cut into ``2 * cp_size`` chunks of ``c = length / (2 * cp_size)`` rows; rank
+    ``r`` holds chunk ``r`` then chunk ``2 * cp_size - 1 - r`` (the load-balanced split of
+    TransformerEngine and Megatron-LM, so every rank gets the same share of causal attention).
+    """
+    local = lengths // cp_size  # rows of each sequence on this rank
+    sequence = np.repeat(np.arange(len(lengths)), local)
+    row = np.arange(int(local.sum()), dtype=np.int64) - np.repeat(np.cumsum(local) - local, local)
+    if cp_size == 1:
+        return row
+    c = (lengths // (2 * cp_size))[sequence]
+    first = row < c
+    return np.where(first, cp_rank * c + row, (2 * cp_size - 1 - cp_rank) * c + (row - c))
+
+
+def context_parallel_positions(cu_seqlens, cp_size, cp_rank, *, offsets=None):
+    """Positions of the packed tokens one context-parallel rank holds.
+
+    Context parallelism (TransformerEngine, Megatron-LM) cuts every sequence into ``2 * cp_size``
+    equal chunks and gives rank ``r`` chunks ``r`` and ``2 * cp_size - 1 - r``, packed in that
+    order; this returns the true position of each of those rows, to pass to ``apply_rope``.
+
+    Parameters
+    ----------
+    cu_seqlens : int32 or int64 array, shape ``(B + 1,)``
+        Cumulative lengths of the *whole* sequences (before the split; TransformerEngine's
+        ``cu_seqlens_padded``), each a multiple of ``2 * cp_size`` when ``cp_size > 1``.
+        With ``cp_size == 1`` this is :func:`varlen_positions`.
+    cp_size, cp_rank : int
+        Context-parallel world size and this rank.
+    offsets : int array, shape ``(B,)``, optional
+        Added to every position of sequence ``i`` (e.g. a cached length).
+
+    Returns
+    -------
+    positions : array, shape ``(cu_seqlens[-1] // cp_size,)``
+        Dtype, type and device of ``cu_seqlens``. Computed on the host: GPU inputs are read back
+        (a synchronisation), so compute them once per batch, e.g. in the data loader.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> context_parallel_positions(np.array([0, 8]), 2, 0).tolist()
+    [0, 1, 6, 7]
+    >>> context_parallel_positions(np.array([0, 8]), 2, 1).tolist()
+    [2, 3, 4, 5]
+    """
+    where = "context_parallel_positions"
+    cp_size, cp_rank = _check_cp(cp_size, cp_rank, where)
+    info, bounds = _host_ints(cu_seqlens, "cu_seqlens", where)
+    if info.ndim != 1 or info.shape[0] < 1:
+        raise ValueError(f"{where}: cu_seqlens must have shape (B + 1,), got {info.shape}")
+    lengths = np.diff(bounds)
+    if bounds[0] != 0 or (lengths < 0).any():
+        raise ValueError(f"{where}: cu_seqlens must start at 0 and never decrease, got {bounds.tolist()}")
+    if cp_size > 1 and (lengths % (2 * cp_size)).any():
+        raise ValueError(
+            f"{where}: every sequence length must be a multiple of 2 * cp_size = {2 * cp_size} "
+            f"(pad them: TransformerEngine's cu_seqlens_padded), got lengths {lengths.tolist()}"
+        )
+    positions = _cp_rank_positions(lengths, cp_size, cp_rank)
+    if offsets is not None:
+        offsets_info, starts = _host_ints(offsets, "offsets", where)
+        if offsets_info.shape != (len(lengths),):
+            raise ValueError(
+                f"{where}: offsets must have shape ({len(lengths)},) to match cu_seqlens, "
+                f"got {offsets_info.shape}"
+            )
+        positions = positions + np.repeat(starts, lengths // cp_size)
+    return _place_like(positions.astype(info.dtype), cu_seqlens if info.kind != "numpy" else None)
+
+
+def te_positions(t, tensor_format="sbhd", *, cu_seqlens=None, start_positions=None, cp_size=1,
+                 cp_rank=0):
+    """Positions for ``apply_rope`` on a tensor in one of TransformerEngine's layouts.
+
+    TransformerEngine's ``apply_rotary_pos_emb(t, freqs, tensor_format, start_positions,
+    interleaved, cu_seqlens=..., cp_size=..., cp_rank=...)`` rotates row ``p`` of its per-position
+    angle table ``freqs`` into token ``t[..]``; this gives that ``p`` for every token, shaped to
+    broadcast to the token dims of ``t``, so that
+
+    ``apply_rope(t, positions=te_positions(t, fmt, ...), cos_sin_cache=cache)``
+
+    with ``cache[p] = [cos(freqs[p, :r/2]), sin(freqs[p, :r/2])]`` (``cupyrope.compat`` has the
+    drop-in) rotates ``t`` in place of TransformerEngine, with no copy of ``t``.
+
+    Parameters
+    ----------
+    t : array
+        ``[s, b, h, d]`` (``"sbhd"``), ``[b, s, h, d]`` (``"bshd"``) or ``[t, h, d]`` (``"thd"``);
+        only its shape, type and device are read. On a context-parallel rank, its local share.
+    tensor_format : {"sbhd", "bshd", "thd"}
+    cu_seqlens : int array ``(B + 1,)``, required for ``"thd"``
+        Cumulative sequence lengths of the packed batch; with ``cp_size > 1`` those of the whole
+        (padded) sequences, as TransformerEngine takes them.
+    start_positions : int array ``(b,)``, optional
+        First position of each sequence (inference with a KV cache); not with ``cp_size > 1``.
+    cp_size, cp_rank : int
+        Context parallelism: the load-balanced split of :func:`context_parallel_positions`.
+
+    Returns
+    -------
+    positions : int64 array of ``t``'s type and device
+        ``"sbhd"``: ``[s, 1]`` (``[s, b]`` with start_positions); ``"bshd"``: ``[s]`` (``[b, s]``);
+        ``"thd"``: ``[t]``. Computed on the host (GPU ``cu_seqlens`` / ``start_positions`` are read
+        back): compute once per batch and reuse for every layer.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> te_positions(np.zeros((4, 2, 1, 8)), "sbhd").ravel().tolist()
+    [0, 1, 2, 3]
+    >>> te_positions(np.zeros((4, 1, 8)), "thd", cu_seqlens=np.array([0, 3, 4]),
+    ...              start_positions=np.array([5, 0])).tolist()
+    [5, 6, 7, 0]
+    """
+    where = "te_positions"
+    if tensor_format not in TE_FORMATS:
+        raise ValueError(f"{where}: tensor_format must be one of {TE_FORMATS}, got {tensor_format!r}")
+    cp_size, cp_rank = _check_cp(cp_size, cp_rank, where)
+    if cp_size > 1 and start_positions is not None:
+        raise ValueError(f"{where}: start_positions cannot be combined with cp_size > 1 "
+                         "(as in TransformerEngine)")
+    shape = describe(t, "t").shape
+    needed = 3 if tensor_format == "thd" else 4
+    if len(shape) != needed:
+        raise ValueError(f"{where}: a {tensor_format!r} tensor has {needed} dims, got shape {shape}")
+    starts = None
+    if start_positions is not None:
+        starts_info, starts = _host_ints(start_positions, "start_positions", where)
+        if starts_info.ndim != 1:
+            raise ValueError(f"{where}: start_positions must have shape (b,), got {starts_info.shape}")
+
+    if tensor_format == "thd":
+        if cu_seqlens is None:
+            raise ValueError(f"{where}: tensor_format 'thd' needs cu_seqlens")
+        _, bounds = _host_ints(cu_seqlens, "cu_seqlens", where)
+        positions = np.asarray(context_parallel_positions(bounds, cp_size, cp_rank, offsets=starts))
+        if positions.shape[0] != shape[0]:
+            raise ValueError(
+                f"{where}: cu_seqlens cover {positions.shape[0]} rows on this rank "
+                f"(cu_seqlens[-1] // cp_size) but t has {shape[0]}"
+            )
+    else:
+        batch, seq = (shape[1], shape[0]) if tensor_format == "sbhd" else (shape[0], shape[1])
+        if cp_size > 1 and seq % 2:
+            raise ValueError(f"{where}: with cp_size > 1 the local sequence length must be even, "
+                             f"got {seq}")
+        positions = _cp_rank_positions(np.array([seq * cp_size]), cp_size, cp_rank)
+        if starts is not None:
+            if starts.shape[0] != batch:
+                raise ValueError(f"{where}: start_positions must have shape ({batch},), got "
+                                 f"{starts.shape}")
+            positions = starts[:, None] + positions[None, :]  # [b, s]
+            if tensor_format == "sbhd":
+                positions = positions.T
+        elif tensor_format == "sbhd":
+            positions = positions[:, None]
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    info = describe(t, "t")
+    return _place_like(positions, t if info.kind != "numpy" else None)

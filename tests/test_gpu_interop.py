@@ -5,7 +5,8 @@
   the kernel runs on torch's *current* stream (a side stream whose inputs are still being written when
   apply_rope is called); apply_rope can be captured in a CUDA graph, out of place and in place, and a
   replay after new data was copied into the inputs gives the rotation of the new data; tensors that
-  require grad (with grad enabled) raise NotImplementedError.
+  require grad (with grad enabled) go through the differentiable custom op (gradients:
+  tests/test_gpu_autograd.py).
 - JAX: results are jax.Arrays of the same dtype on the same device; inplace=True raises TypeError.
 - A producer exposing only ``__dlpack__`` / ``__dlpack_device__``: results are CuPy arrays.
 
@@ -283,20 +284,23 @@ def test_torch_cuda_graph_capture_and_replay(torch, rng, source):
                           max_angle=max_angle)
 
 
-def test_torch_requires_grad_raises(torch, rng):
+def test_torch_requires_grad_uses_custom_op(torch, rng):
     xq = random_host(rng, (T, HQ, D), "float32")
     positions = rng.integers(0, MAX_POSITION, T)
     call, ref, max_angle = torch_angles(torch, "computed", positions)
     q = to_torch(torch, xq).requires_grad_(True)
     k = to_torch(torch, random_host(rng, (T, HK, D), "float32"))
     with torch.enable_grad():
-        with pytest.raises(NotImplementedError):
-            cr.apply_rope(q, **call)
-        with pytest.raises(NotImplementedError):
-            cr.apply_rope(k, q[:, :HK], **call)  # k requiring grad is refused too
-    with torch.no_grad():  # the documented way until autograd lands
+        out = cr.apply_rope(q, **call)
+        assert "cupyrope" in type(out.grad_fn).__name__
+        _, k_out = cr.apply_rope(k, q[:, :HK], **call)  # k requiring grad takes the op too
+        assert k_out.grad_fn is not None
+    assert_rope_close(out.detach(), reference_rope(xq, **ref), xq, interleaved=False,
+                      rotary_dim=D, max_angle=max_angle)
+    with torch.no_grad():  # no history: the plain path
         out = cr.apply_rope(q, **call)
     assert isinstance(out, torch.Tensor) and out.dtype == q.dtype and out.device == q.device
+    assert out.grad_fn is None
     assert_rope_close(out, reference_rope(xq, **ref), xq, interleaved=False, rotary_dim=D,
                       max_angle=max_angle)
 

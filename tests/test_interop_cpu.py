@@ -141,6 +141,8 @@ def test_torch_inplace(dtype, source, layout, tch, randn, rng):
 
 @pytest.mark.parametrize("which", ["q", "k", "both"])
 def test_torch_requires_grad(which, tch, randn, rng):
+    """Tensors that require grad go through the differentiable custom op (tests/test_autograd_cpu.py
+    checks its gradients); under no_grad they take the plain path and the result has no history."""
     T, D = 5, 32
     q = to_torch(tch, randn((T, 2, D)))
     k = to_torch(tch, randn((T, 1, D)))
@@ -149,8 +151,12 @@ def test_torch_requires_grad(which, tch, randn, rng):
     if which in ("k", "both"):
         k.requires_grad_(True)
     positions = tch.from_numpy(rng.integers(0, 100, size=T))
-    with pytest.raises(NotImplementedError):
-        cr.apply_rope(q, k, positions)
+    out_q, out_k = cr.apply_rope(q, k, positions)
+    assert "cupyrope" in type(out_q.grad_fn).__name__  # one node: both outputs carry it
+    assert out_k.grad_fn is out_q.grad_fn
+    for out, x in ((out_q, q), (out_k, k)):
+        check_against_reference(out.detach(), x.detach().numpy().copy(), positions.numpy(),
+                                "computed", interleaved=False, D=D)
     with tch.no_grad():
         out_q, out_k = cr.apply_rope(q, k, positions)
     assert isinstance(out_q, tch.Tensor) and not out_q.requires_grad

@@ -1,0 +1,44 @@
+"""The repeat-call key: list-valued scaling dicts (LongRoPE, M-RoPE) still hash, and any change
+of an option or of an array's layout changes the key (no GPU needed: keys from fake metadata)."""
+
+import pytest
+
+from cupyrope import api
+
+
+class _Fake:
+    """Stands in for a CUDA array: _recipe_key only reads metadata through gpu_array_key."""
+
+
+@pytest.fixture(autouse=True)
+def fake_gpu_arrays(monkeypatch):
+    monkeypatch.setattr(api, "gpu_array_key",
+                        lambda x: ((x.shape, x.strides, "bfloat16", 0, 0), 4096 * id(x) % 2**40))
+
+
+def _array(shape, strides):
+    a = _Fake()
+    a.shape, a.strides = shape, strides
+    return a
+
+
+def _key(q, scaling=None, interleaved=False):
+    options = (10000.0, scaling, interleaved, None, False, False, None)
+    return api._recipe_key(q, None, None, None, None, None, options)
+
+
+def test_list_valued_scaling_keys_hash_and_differ():
+    q = _array((4, 2, 64), (128, 64, 1))
+    a = _key(q, {"rope_type": "default", "mrope_section": [8, 12, 12]})
+    b = _key(q, {"rope_type": "default", "mrope_section": [12, 8, 12]})
+    assert a is not None and b is not None
+    hash(a[0]), hash(b[0])
+    assert a[0] != b[0]
+
+
+def test_layout_and_options_change_the_key():
+    q = _array((4, 2, 64), (128, 64, 1))
+    transposed = _array((4, 2, 64), (64, 256, 1))
+    assert _key(q)[0] != _key(transposed)[0]
+    assert _key(q)[0] != _key(q, interleaved=True)[0]
+    assert _key(q, interleaved=1) is None  # a non-bool flag goes to the full path and its check
