@@ -28,12 +28,13 @@ template <> struct IndexOf<false> { using type = int; };
 // of an SM copy at the reference shape on an H200; 6 blocks spill and lose).
 constexpr int kMaxThreadsPerBlock = 256;
 // 5 blocks (48 registers) with 32-bit offsets, 4 (64 registers) with 64-bit ones. One block less
-// where that would spill: float64 arrays or float64 tables (twice the registers per element), and
-// per-token tables (two more offsets) with 32-bit offsets. tests/test_kernel_compile.py checks that
-// no specialisation spills.
+// where that would spill: float64 arrays or float64 tables (twice the registers per element; with
+// 64-bit offsets and per-token tables NVRTC 13.0 spilled), and per-token tables (two more offsets)
+// with 32-bit offsets. tests/test_kernel_compile.py checks that no specialisation spills.
 template <typename T, typename TableT, int SOURCE, bool WIDE>
 struct MinBlocksPerSM {
-  static constexpr bool heavy = sizeof(T) == 8 || (!WIDE && (sizeof(TableT) == 8 || SOURCE == kTokenTables));
+  static constexpr bool heavy =
+      sizeof(T) == 8 || sizeof(TableT) == 8 || (!WIDE && SOURCE == kTokenTables);
   static constexpr int value = (WIDE ? 4 : 5) - (heavy ? 1 : 0);
 };
 
