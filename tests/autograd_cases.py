@@ -21,6 +21,16 @@ MAX_POSITION = 512
 SOURCES = ["cache", "tables_half", "tables_full", "computed", "computed_linear"]
 
 
+
+def widen_tables(cos, sin, source: str, interleaved: bool):
+    """Half-width tables as given, or widened to Hugging Face's full width for "tables_full":
+    pairs repeated (interleaved) or halves repeated (NeoX)."""
+    if source != "tables_full":
+        return cos, sin
+    if interleaved:
+        return np.repeat(cos, 2, axis=-1), np.repeat(sin, 2, axis=-1)
+    return np.concatenate([cos, cos], axis=-1), np.concatenate([sin, sin], axis=-1)
+
 def to_torch(a, device="cpu", requires_grad=False):
     import torch
 
@@ -56,12 +66,7 @@ def angle_call(source, token_shape, rotary_dim, *, interleaved, rng, device="cpu
         ref = dict(positions=positions, cos_sin_cache=cache.astype(np.float64))
         return lib, ref, {}, (rows[..., :half], rows[..., half:])
     if source.startswith("tables"):
-        c, s = cos64, sin64
-        if source == "tables_full":
-            if interleaved:
-                c, s = np.repeat(c, 2, axis=-1), np.repeat(s, 2, axis=-1)
-            else:
-                c, s = np.concatenate([c, c], axis=-1), np.concatenate([s, s], axis=-1)
+        c, s = widen_tables(cos64, sin64, source, interleaved)
         c, s = c.astype(np_dtype(table_dtype)), s.astype(np_dtype(table_dtype))
         lib = dict(cos=to_torch(c, device), sin=to_torch(s, device))
         if source == "tables_half":

@@ -19,7 +19,7 @@ jnp = pytest.importorskip("jax.numpy")
 pytest.importorskip("jax.experimental.buffer_callback")
 
 import cupyrope as cr  # noqa: E402
-from autograd_cases import MAX_POSITION, SOURCES, THETA  # noqa: E402
+from autograd_cases import MAX_POSITION, SOURCES, THETA, widen_tables  # noqa: E402
 from reference import reference_angles, reference_inv_freq, reference_rope  # noqa: E402
 from tolerances import assert_bits_equal, assert_rope_close, max_abs_angle  # noqa: E402
 
@@ -38,12 +38,7 @@ def jax_angles(source, token_shape, rotary_dim, interleaved, rng):
                 dict(positions=positions, cos_sin_cache=cache.astype(np.float64)), {},
                 (rows[..., :half], rows[..., half:]))
     if source.startswith("tables"):
-        c, s = cos64, sin64
-        if source == "tables_full":
-            if interleaved:
-                c, s = np.repeat(c, 2, axis=-1), np.repeat(s, 2, axis=-1)
-            else:
-                c, s = np.concatenate([c, c], axis=-1), np.concatenate([s, s], axis=-1)
+        c, s = widen_tables(cos64, sin64, source, interleaved)
         c, s = c.astype(np.float32), s.astype(np.float32)
         lib = dict(cos=jnp.asarray(c), sin=jnp.asarray(s), rotary_dim=rotary_dim)
         step = 2 if (source == "tables_full" and interleaved) else 1
