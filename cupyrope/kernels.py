@@ -11,6 +11,7 @@ compile options; a fingerprint of every file in ``kernels_cu/`` is one of those 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -43,6 +44,7 @@ class KernelSpec:
     interleaved: bool  # GPT-J pairing (else NeoX)
     source: AngleSource
     wide_index: bool  # 64-bit offsets (else 32-bit: every offset of the launch fits)
+    lean: bool = False  # the common case only (see rope.cu): one token dim, no M-RoPE, vector tables
 
     @property
     def name_expression(self) -> str:
@@ -50,7 +52,7 @@ class KernelSpec:
         return (
             f"cupyrope::rope_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
             f"{CUDA_TYPE_NAMES[self.table_dtype]}, {', '.join(str(f).lower() for f in flags)}, "
-            f"{int(self.source)}, {str(self.wide_index).lower()}>"
+            f"{int(self.source)}, {str(self.wide_index).lower()}, {str(self.lean).lower()}>"
         )
 
 
@@ -63,6 +65,9 @@ def _specialisations() -> tuple[KernelSpec, ...]:
             for table_dtype in FLOAT_DTYPES:
                 specs.append(KernelSpec(dtype, table_dtype, vector, interleaved, source, wide))
         specs.append(KernelSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED, wide))
+    # The lean kernels: 16-byte accesses and 32-bit offsets only.
+    specs += [dataclasses.replace(spec, lean=True) for spec in specs
+              if spec.vector and not spec.wide_index]
     return tuple(specs)
 
 

@@ -62,7 +62,7 @@ class LaunchRecipe:
     the same shapes, strides, dtypes and alignment only fills in pointers and launches."""
 
     __slots__ = ("function_ptr", "device", "grid", "block", "sin_offset", "vector", "keep_alive",
-                 "_words", "_argv_address", "_argv", "_lock", "_runtime", "_driver")
+                 "spec", "_words", "_argv_address", "_argv", "_lock", "_runtime", "_driver")
 
     def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive):
         self.function_ptr = function_ptr
@@ -72,6 +72,7 @@ class LaunchRecipe:
         self.sin_offset = sin_offset  # cache source: sin half = cache pointer + this many bytes
         self.vector = vector
         self.keep_alive = keep_alive  # device constants the parameters point at
+        self.spec = None  # the KernelSpec launched (set by rotate_on_gpu; tests read it)
         # The parameter block is reused: only its pointer fields change between calls, and
         # cuLaunchKernel copies it before returning, so a lock around fill + launch suffices.
         self._words = _ParamsWords.from_buffer_copy(params.tobytes())
@@ -154,6 +155,15 @@ def _extent(info: ArrayInfo | None) -> int:
 def needs_wide_index(plan: RopePlan, outputs: list[ArrayInfo]) -> bool:
     arrays = [plan.q, plan.k, plan.positions, plan.cache, plan.cos, plan.sin, *outputs]
     return max([plan.num_tokens] + [_extent(a) for a in arrays]) >= INDEX32_LIMIT
+
+
+def lean_kernel_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_ndim: int,
+                        table_vector_ok: bool) -> bool:
+    """Whether the lean kernel (LEAN in kernels_cu/rope.cu) handles this launch: 16-byte accesses,
+    32-bit offsets, at most one token dim after merging, no M-RoPE, and cos/sin rows (if any) that
+    take vector loads. Everything else runs the general kernel."""
+    return (vector and not wide_index and token_ndim <= 1 and not plan.mrope_mode
+            and (plan.source == AngleSource.COMPUTED or table_vector_ok))
 
 
 def _table_vector_ok(plan: RopePlan, pairs: int, cos_ptr: int, sin_ptr: int,
@@ -273,11 +283,15 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
         p["cos_col_stride"], p["sin_col_stride"] = plan.cos_col_stride, plan.sin_col_stride
         p["table_vector_ok"] = _table_vector_ok(plan, pairs, cos_ptr, sin_ptr, row_strides)
 
+    wide_index = needs_wide_index(plan, outputs)
+    lean = lean_kernel_applies(plan, vector=vector, wide_index=wide_index, token_ndim=len(shape),
+                               table_vector_ok=bool(p["table_vector_ok"]))
     spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
-                      needs_wide_index(plan, outputs))
+                      wide_index, lean)
     kernel = get_kernel(spec, plan.device)
     block, grid = launch_geometry(plan, access, pairs, copy_pass, kernel.num_regs)
     recipe = LaunchRecipe(kernel.ptr, plan.device, grid, block, p, sin_offset, vector, keep_alive)
+    recipe.spec = spec
     recipe.launch(plan.q.obj, plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr,
                   0 if k is None else k_out.ptr,
                   0 if plan.positions is None else plan.positions.ptr, cos_ptr, sin_ptr)

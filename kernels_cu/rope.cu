@@ -25,16 +25,20 @@ template <> struct IndexOf<false> { using type = int; };
 // The host launches at most kMaxThreadsPerBlock threads a block (THREADS_PER_BLOCK in launch.py).
 // Asking for several resident blocks caps registers so that more warps, and so more loads, are in
 // flight: the kernel is bound by memory latency, not arithmetic (measured: 4 -> 5 blocks, 91 -> 93%
-// of an SM copy at the reference shape on an H200; 6 blocks spill and lose).
+// of an SM copy at the reference shape on an H200; 6 blocks spill and lose). Resident warps matter
+// more than loads in flight per thread: rotating two heads per load batch at 3 blocks (no spill)
+// fell from 94 to 80%, and issuing the first head's loads before cos/sin lost 4-6 points at 4-5
+// blocks, even at T = 4096 where it was meant to hide the position -> cos/sin latency.
 constexpr int kMaxThreadsPerBlock = 256;
 // 5 blocks (48 registers) with 32-bit offsets, 4 (64 registers) with 64-bit ones. One block less
 // where that would spill: float64 arrays or float64 tables (twice the registers per element; with
-// 64-bit offsets and per-token tables NVRTC 13.0 spilled), and per-token tables (two more offsets)
-// with 32-bit offsets. tests/test_kernel_compile.py checks that no specialisation spills.
-template <typename T, typename TableT, int SOURCE, bool WIDE>
+// 64-bit offsets and per-token tables NVRTC 13.0 spilled), and general per-token tables (two more
+// offsets) with 32-bit offsets; lean per-token tables fit 5 blocks (T = 65536: 93.9 -> 95.4%).
+// tests/test_kernel_compile.py checks that no specialisation spills.
+template <typename T, typename TableT, int SOURCE, bool WIDE, bool LEAN>
 struct MinBlocksPerSM {
-  static constexpr bool heavy =
-      sizeof(T) == 8 || sizeof(TableT) == 8 || (!WIDE && SOURCE == kTokenTables);
+  static constexpr bool heavy = sizeof(T) == 8 || sizeof(TableT) == 8 ||
+                                (!WIDE && !LEAN && SOURCE == kTokenTables);
   static constexpr int value = (WIDE ? 4 : 5) - (heavy ? 1 : 0);
 };
 
@@ -51,6 +55,18 @@ template <typename Index>
 struct TokenOffsets {
   Index q, k, q_out, k_out, positions, cos, sin;
 };
+
+// The lean kernels' token offsets: one token dim (the host merged the others away).
+template <typename Index>
+__device__ __forceinline__ TokenOffsets<Index> lean_token_offsets(const RopeParams& p, Index token) {
+  return {token * static_cast<Index>(p.q_token_stride[0]),
+          token * static_cast<Index>(p.k_token_stride[0]),
+          token * static_cast<Index>(p.q_out_token_stride[0]),
+          token * static_cast<Index>(p.k_out_token_stride[0]),
+          token * static_cast<Index>(p.positions_token_stride[0]),
+          token * static_cast<Index>(p.cos_token_stride[0]),
+          token * static_cast<Index>(p.sin_token_stride[0])};
+}
 
 template <typename Index>
 __device__ __forceinline__ TokenOffsets<Index> token_offsets(const RopeParams& p, Index token) {
@@ -163,8 +179,16 @@ __device__ __forceinline__ HeadRows<T> head_rows(const RopeParams& p, const Toke
           static_cast<T*>(p.k_out) + o.k_out + kh * static_cast<Index>(p.k_out_head_stride)};
 }
 
-template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
-__global__ __launch_bounds__(kMaxThreadsPerBlock, MinBlocksPerSM<T, TableT, SOURCE, WIDE_INDEX>::value)
+// LEAN: the common case, decided on the host. The token dims merge into one, no M-RoPE, and
+// cos/sin rows (if read) are contiguous and aligned for vector loads. Only the vector path with
+// 32-bit offsets has lean kernels. Without the general token walk, the M-RoPE branches and the
+// strided table loads, the kernel needs fewer registers and half the instructions (bf16 from a
+// cache: 496 against 1208 SASS instructions). Measured on an H200 at the reference shape: a decode
+// step (T = 1) 2.24 -> 2.04 us, T = 4096 85.6 -> 87.9% of an SM copy, T = 65536 94.1 -> 94.6%.
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
+          bool LEAN>
+__global__ __launch_bounds__(kMaxThreadsPerBlock,
+                             MinBlocksPerSM<T, TableT, SOURCE, WIDE_INDEX, LEAN>::value)
 void rope_kernel(const RopeParams p) {
   using Index = typename IndexOf<WIDE_INDEX>::type;
   using C = typename ComputeOf<T>::type;
@@ -191,7 +215,7 @@ void rope_kernel(const RopeParams p) {
   const Index token_step = static_cast<Index>(gridDim.x) * blockDim.z;
   for (Index token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
        token < num_tokens; token += token_step) {
-    const TokenOffsets<Index> o = token_offsets(p, token);
+    const TokenOffsets<Index> o = LEAN ? lean_token_offsets(p, token) : token_offsets(p, token);
     // The position (M-RoPE: its temporal component; pair_position reads the others).
     long long position = 0;
     if constexpr (SOURCE != kTokenTables) position = load_position(p, o.positions);
@@ -208,7 +232,8 @@ void rope_kernel(const RopeParams p) {
         const C factor = static_cast<C>(p.attention_factor);
 #pragma unroll
         for (int i = 0; i < P; ++i) {
-          const long long pos = pair_position(p, o.positions, position, pair0 + i);
+          const long long pos =
+              LEAN ? position : pair_position(p, o.positions, position, pair0 + i);
           C s, c;
           accurate_sincos(static_cast<double>(pos) * p.inv_freq[pair0 + i], &s, &c);
           cos_v[i] = c * factor;
@@ -223,7 +248,7 @@ void rope_kernel(const RopeParams p) {
           cos_row = sin_row =
               row_valid ? static_cast<Index>(position) * static_cast<Index>(p.table_row_stride) : 0;
         }
-        if (SOURCE == kCacheTable && p.mrope_mode) {
+        if (SOURCE == kCacheTable && !LEAN && p.mrope_mode) {
           // M-RoPE from a cache: each pair reads the row of its own position component.
 #pragma unroll
           for (int i = 0; i < P; ++i) {
@@ -238,9 +263,9 @@ void rope_kernel(const RopeParams p) {
           }
         } else if (row_valid) {
           load_table(cos_v, cos_table + cos_row + pair0 * cos_col_stride, cos_col_stride,
-                     table_vector_ok);
+                     LEAN || table_vector_ok);
           load_table(sin_v, sin_table + sin_row + pair0 * sin_col_stride, sin_col_stride,
-                     table_vector_ok);
+                     LEAN || table_vector_ok);
 #pragma unroll
           for (int i = 0; i < P; ++i) sin_v[i] *= sin_sign;
         } else {

@@ -262,6 +262,29 @@ def test_dtypes_and_angle_sources(rng, dtype, source, interleaved):
     rope_and_check(q, k, angles, rotary_dim=D, interleaved=interleaved)
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "general"])
+def test_lean_and_general_kernels(rng, monkeypatch, lean, dtype, source, interleaved, inplace):
+    """The common case runs the lean kernel; the general kernel, forced onto the same case, gives
+    results within the same bounds (it is the one every other layout takes)."""
+    from cupyrope import api, launch
+
+    if not lean:
+        monkeypatch.setattr(launch, "lean_kernel_applies", lambda *args, **kwargs: False)
+    monkeypatch.setattr(api, "_recipes", {})
+    q, k = make_qk(rng, dtype)
+    positions = random_positions(rng, (T,))
+    angles = make_angles(source, q.shape, positions, D, q=q, interleaved=interleaved)
+    rope_and_check(q, k, angles, rotary_dim=D, interleaved=interleaved, inplace=inplace)
+    (recipe,) = api._recipes.values()
+    # Interleaved full-width (HF) tables repeat each angle twice: every other entry is read, a
+    # strided row that only the general kernel loads.
+    assert recipe.spec.lean is (lean and not (source == "tables_full" and interleaved))
+
+
 @pytest.mark.parametrize("source", ["cache", "computed", "tables_full"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_inplace_dtypes(rng, dtype, source):

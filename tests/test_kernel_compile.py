@@ -6,7 +6,7 @@ kernel symbol and assembles for Ampere (sm_80) and Hopper (sm_90) without regist
 catches template errors in the ``.cuh`` headers long before a GPU run would.
 
 All specialisations go into ONE program per architecture (about 11-13 s each here): compiling
-them one program at a time would parse the headers 144 times over.
+them one program at a time would parse the headers once per specialisation.
 
 The tests skip when CuPy's NVRTC binding or libnvrtc is missing; CI sets
 ``CUPYROPE_REQUIRE_NVRTC=1`` so that a broken install fails there instead of silently skipping.

@@ -58,3 +58,26 @@ def test_offsets_past_the_int32_headroom_take_the_64_bit_kernels():
     far = np.lib.stride_tricks.as_strided(small, shape=(2, 2, 8), strides=(2**31 * 4, 32, 4))
     plan = plan_rope(far)
     assert launch.needs_wide_index(plan, [plan.q])
+
+
+def _lean(plan, **overrides):
+    args = dict(vector=True, wide_index=False, token_ndim=1, table_vector_ok=True)
+    args.update(overrides)
+    return launch.lean_kernel_applies(plan, **args)
+
+
+def test_lean_kernel_takes_the_common_case_only():
+    q = np.zeros((16, 4, 128), dtype=np.float32)
+    cache = np.zeros((64, 128), dtype=np.float32)
+    positions = np.arange(16)
+    plan = plan_rope(q, None, positions, cos_sin_cache=cache)
+    assert _lean(plan)
+    assert not _lean(plan, vector=False)  # scalar accesses: general kernel
+    assert not _lean(plan, wide_index=True)  # 64-bit offsets: general kernel
+    assert not _lean(plan, token_ndim=2)  # token dims that do not merge: general kernel
+    assert not _lean(plan, table_vector_ok=False)  # strided or misaligned cache rows
+    computed = plan_rope(q, None, positions)
+    assert _lean(computed, table_vector_ok=False)  # computed angles read no table
+    mrope = plan_rope(q, None, np.zeros((3, 16), dtype=np.int64),
+                      scaling={"rope_type": "default", "mrope_section": [16, 24, 24]})
+    assert mrope.mrope_mode and not _lean(mrope, table_vector_ok=False)
