@@ -191,6 +191,9 @@ def warmup(
 ) -> int:
     """Compile chosen specialisations ahead of time; returns how many are ready.
 
+    Each 16-byte specialisation with 32-bit offsets comes twice: the lean kernel that common
+    layouts run and the general one that every other layout runs; both are compiled.
+
     Parameters
     ----------
     dtypes : iterable of str
@@ -209,7 +212,7 @@ def warmup(
     --------
     >>> import cupyrope as cr
     >>> cr.warmup(dtypes=("bfloat16",), sources=("cache",), interleaved=(False,))  # doctest: +SKIP
-    2
+    3
     """
     cupy = _import_cupy()
     wanted_sources = {_as_source(s) for s in sources}

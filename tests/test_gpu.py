@@ -838,12 +838,13 @@ def test_warmup_counts_and_precompiles(rng, monkeypatch):
 
     count = cr.warmup(dtypes=("float16",), table_dtypes=("float32",), sources=("cache", "computed"),
                       interleaved=(False, True), vector=(True,))
-    assert count == 4  # {cache, computed} x {NeoX, interleaved}
-    assert len(compiled) == 4
+    assert count == 8  # {cache, computed} x {NeoX, interleaved} x {lean, general}
+    assert len(compiled) == 8
+    assert sum(spec.lean for spec in compiled) == 4
     assert cr.warmup(dtypes=("float16",), sources=(cr.AngleSource.CACHE_TABLE,),
-                     interleaved=(False,), vector=(True,)) == 1
+                     interleaved=(False,), vector=(True,)) == 2
     assert cr.warmup(dtypes=()) == 0
-    assert len(compiled) == 4, "warmup recompiled a specialisation it already had"
+    assert len(compiled) == 8, "warmup recompiled a specialisation it already had"
 
     # The calls after warmup use what it compiled, and are correct.
     q, k = make_qk(rng, "float16")
