@@ -10,6 +10,7 @@ device and kept) and nothing synchronises.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import struct
@@ -61,14 +62,16 @@ class LaunchRecipe:
     """Everything about a launch except the data pointers, so that a repeated call with arrays of
     the same shapes, strides, dtypes and alignment only fills in pointers and launches."""
 
-    __slots__ = ("function_ptr", "device", "grid", "block", "sin_offset", "vector", "keep_alive",
-                 "spec", "_words", "_argv_address", "_argv", "_lock", "_runtime", "_driver")
+    __slots__ = ("function_ptr", "device", "grid", "block", "shared_bytes", "sin_offset", "vector",
+                 "keep_alive", "spec", "_words", "_argv_address", "_argv", "_lock", "_runtime", "_driver")
 
-    def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive):
+    def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive,
+                 shared_bytes=0):
         self.function_ptr = function_ptr
         self.device = device
         self.grid = grid
         self.block = block
+        self.shared_bytes = shared_bytes  # dynamic shared memory (lean computed angles)
         self.sin_offset = sin_offset  # cache source: sin half = cache pointer + this many bytes
         self.vector = vector
         self.keep_alive = keep_alive  # device constants the parameters point at
@@ -96,8 +99,8 @@ class LaunchRecipe:
             stream = current_stream(like, self.device)
             with self._lock:
                 _DATA_POINTERS.pack_into(self._words, 0, q, k, q_out, k_out, positions, cos, sin)
-                self._driver.launchKernel(self.function_ptr, *self.grid, 1, *self.block, 0,
-                                          stream, self._argv_address, 0)
+                self._driver.launchKernel(self.function_ptr, *self.grid, 1, *self.block,
+                                          self.shared_bytes, stream, self._argv_address, 0)
         finally:
             if switched:
                 runtime.setDevice(previous)
@@ -164,6 +167,19 @@ def lean_kernel_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token
     take vector loads. Everything else runs the general kernel."""
     return (vector and not wide_index and token_ndim <= 1 and not plan.mrope_mode
             and (plan.source == AngleSource.COMPUTED or table_vector_ok))
+
+
+# Dynamic shared memory a launch may use without opting in to more (every CUDA GPU).
+MAX_SHARED_ANGLE_BYTES = 48 * 1024
+
+
+def shared_angle_bytes(plan: RopePlan, spec: KernelSpec, block: tuple[int, int, int]) -> int:
+    """Shared memory of a launch: the lean computed-angle kernel keeps cos and sin of every pair
+    of each of its block's tokens there (computed once per pair, read by every head lane)."""
+    if not (spec.lean and spec.source == AngleSource.COMPUTED):
+        return 0
+    compute_itemsize = 8 if plan.q.dtype == "float64" else 4
+    return block[2] * (plan.rotary_dim // 2) * 2 * compute_itemsize
 
 
 def _table_vector_ok(plan: RopePlan, pairs: int, cos_ptr: int, sin_ptr: int,
@@ -290,7 +306,14 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
                       wide_index, lean)
     kernel = get_kernel(spec, plan.device)
     block, grid = launch_geometry(plan, access, pairs, copy_pass, kernel.num_regs)
-    recipe = LaunchRecipe(kernel.ptr, plan.device, grid, block, p, sin_offset, vector, keep_alive)
+    shared_bytes = shared_angle_bytes(plan, spec, block)
+    if shared_bytes > MAX_SHARED_ANGLE_BYTES:  # never at the usual head sizes; general kernel
+        spec = dataclasses.replace(spec, lean=False)
+        kernel = get_kernel(spec, plan.device)
+        block, grid = launch_geometry(plan, access, pairs, copy_pass, kernel.num_regs)
+        shared_bytes = 0
+    recipe = LaunchRecipe(kernel.ptr, plan.device, grid, block, p, sin_offset, vector, keep_alive,
+                          shared_bytes)
     recipe.spec = spec
     recipe.launch(plan.q.obj, plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr,
                   0 if k is None else k_out.ptr,

@@ -186,6 +186,40 @@ __device__ __forceinline__ HeadRows<T> head_rows(const RopeParams& p, const Toke
           static_cast<T*>(p.k_out) + o.k_out + kh * static_cast<Index>(p.k_out_head_stride)};
 }
 
+// Rotate the chunk of pairs starting at pair0 of every head this thread visits, with cos/sin
+// already in registers.
+template <typename T, int P, bool VECTOR, bool INTERLEAVED, typename C, typename Index>
+__device__ __forceinline__ void rotate_heads(const RopeParams& p, const TokenOffsets<Index>& o,
+                                             Index first_head, Index head_step, Index num_heads,
+                                             Index pair0, Index half, const C (&cos_v)[P],
+                                             const C (&sin_v)[P], C sin_sign) {
+  for (Index head = first_head; head < num_heads; head += head_step) {
+    const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
+    HeadChunk<T, P, VECTOR, INTERLEAVED> chunk;
+    chunk.load(rows.in, pair0, half);
+    chunk.rotate_store(rows.out, pair0, half, cos_v, sin_v, sin_sign);
+  }
+}
+
+// Copy this lane's share of the dims past rotary_dim (out of place only). No cos/sin are live
+// here, so the loop is unrolled to keep several heads' loads in flight.
+template <typename T, int ACCESS, bool VECTOR, typename Index>
+__device__ __forceinline__ void copy_pass_through(const RopeParams& p, const TokenOffsets<Index>& o,
+                                                  Index first_head, Index head_step,
+                                                  Index num_heads, Index rotary_dim,
+                                                  Index pass_chunks) {
+  for (Index c = threadIdx.x; c < pass_chunks; c += blockDim.x) {
+    const Index col = rotary_dim + c * ACCESS;
+#pragma unroll 4
+    for (Index head = first_head; head < num_heads; head += head_step) {
+      const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
+      T v[ACCESS];
+      load_elements<VECTOR>(v, rows.in + col);
+      store_elements<VECTOR>(rows.out + col, v);
+    }
+  }
+}
+
 // LEAN: the common case, decided on the host. The token dims merge into one, no M-RoPE, and
 // cos/sin rows (if read) are contiguous and aligned for vector loads. Only the vector path with
 // 32-bit offsets has lean kernels. Without the general token walk, the M-RoPE branches and the
@@ -220,6 +254,51 @@ void rope_kernel(const RopeParams p) {
   const bool table_vector_ok = p.table_vector_ok != 0;
 
   const Index token_step = static_cast<Index>(gridDim.x) * blockDim.z;
+
+  if constexpr (LEAN && SOURCE == kComputedAngles) {
+    // The threads of a token compute its angles together, each pair once, into shared memory
+    // (the host sizes it: blockDim.z tokens x cos and sin of `half` pairs), rather than every
+    // head lane computing the angles of its own chunk: one float64 reduction per pair instead of
+    // one per pair and head lane, and a far shorter wait before the first loads.
+    extern __shared__ __align__(16) unsigned char shared_angles[];
+    C* const token_cos = reinterpret_cast<C*>(shared_angles) + threadIdx.z * 2 * half;
+    C* const token_sin = token_cos + half;
+    const Index rank = static_cast<Index>(threadIdx.y) * blockDim.x + threadIdx.x;
+    const Index threads_per_token = static_cast<Index>(blockDim.y) * blockDim.x;
+    const C factor = static_cast<C>(p.attention_factor);
+    // The loop runs the same number of times in every thread of the block: __syncthreads inside.
+    for (Index base = static_cast<Index>(blockIdx.x) * blockDim.z; base < num_tokens;
+         base += token_step) {
+      const Index token = base + threadIdx.z;
+      const bool active = token < num_tokens;
+      const TokenOffsets<Index> o = lean_token_offsets(p, active ? token : Index(0));
+      if (active) {
+        const double position = static_cast<double>(load_position(p, o.positions));
+        for (Index j = rank; j < half; j += threads_per_token) {
+          C s, c;
+          accurate_sincos(position * p.inv_freq[j], &s, &c);
+          token_cos[j] = c * factor;
+          token_sin[j] = s * factor * sin_sign;
+        }
+      }
+      __syncthreads();
+      if (active) {
+        for (Index lane = threadIdx.x; lane < num_chunks; lane += blockDim.x) {
+          const Index pair0 = lane * P;
+          C cos_v[P], sin_v[P];
+          load_elements<true>(cos_v, token_cos + pair0);
+          load_elements<true>(sin_v, token_sin + pair0);
+          rotate_heads<T, P, VECTOR, INTERLEAVED>(p, o, first_head, head_step, num_heads, pair0,
+                                                  half, cos_v, sin_v, C(1));
+        }
+        copy_pass_through<T, L::access, VECTOR>(p, o, first_head, head_step, num_heads,
+                                               rotary_dim, pass_chunks);
+      }
+      __syncthreads();  // the next tokens' angles overwrite these
+    }
+    return;
+  }
+
   for (Index token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
        token < num_tokens; token += token_step) {
     const TokenOffsets<Index> o = LEAN ? lean_token_offsets(p, token) : token_offsets(p, token);
@@ -279,27 +358,13 @@ void rope_kernel(const RopeParams p) {
         }
       }
 
-      for (Index head = first_head; head < num_heads; head += head_step) {
-        const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
-        HeadChunk<T, P, VECTOR, INTERLEAVED> chunk;
-        chunk.load(rows.in, pair0, half);
-        chunk.rotate_store(rows.out, pair0, half, cos_v, sin_v,
-                           SOURCE == kComputedAngles ? C(1) : sin_sign);
-      }
+      rotate_heads<T, P, VECTOR, INTERLEAVED>(p, o, first_head, head_step, num_heads, pair0, half,
+                                              cos_v, sin_v,
+                                              SOURCE == kComputedAngles ? C(1) : sin_sign);
     }
-
-    // Then every lane copies its share of the dims past rotary_dim (out of place only). No
-    // cos/sin are live here, so the loop is unrolled to keep several heads' loads in flight.
-    for (Index c = threadIdx.x; c < pass_chunks; c += blockDim.x) {
-      const Index col = rotary_dim + c * L::access;
-#pragma unroll 4
-      for (Index head = first_head; head < num_heads; head += head_step) {
-        const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
-        T v[L::access];
-        load_elements<VECTOR>(v, rows.in + col);
-        store_elements<VECTOR>(rows.out + col, v);
-      }
-    }
+    // Then every lane copies its share of the dims past rotary_dim.
+    copy_pass_through<T, L::access, VECTOR>(p, o, first_head, head_step, num_heads, rotary_dim,
+                                           pass_chunks);
   }
 }
 

@@ -81,3 +81,20 @@ def test_lean_kernel_takes_the_common_case_only():
     mrope = plan_rope(q, None, np.zeros((3, 16), dtype=np.int64),
                       scaling={"rope_type": "default", "mrope_section": [16, 24, 24]})
     assert mrope.mrope_mode and not _lean(mrope, table_vector_ok=False)
+
+
+def test_shared_angle_bytes_only_for_lean_computed_angles():
+    from cupyrope.kernels import AngleSource, KernelSpec
+
+    q = np.zeros((16, 4, 128), dtype=np.float32)
+    plan = plan_rope(q, None, np.arange(16))
+    lean = KernelSpec("float32", "float32", True, False, AngleSource.COMPUTED, False, True)
+    # 3 tokens a block x (cos + sin) x 64 pairs x float32.
+    assert launch.shared_angle_bytes(plan, lean, (16, 5, 3)) == 3 * 2 * 64 * 4
+    general = KernelSpec("float32", "float32", True, False, AngleSource.COMPUTED, False, False)
+    assert launch.shared_angle_bytes(plan, general, (16, 5, 3)) == 0
+    cache = KernelSpec("float32", "float32", True, False, AngleSource.CACHE_TABLE, False, True)
+    assert launch.shared_angle_bytes(plan, cache, (16, 5, 3)) == 0
+    q64 = plan_rope(np.zeros((16, 4, 128)), None, np.arange(16))  # float64 computes in float64
+    lean64 = KernelSpec("float64", "float32", True, False, AngleSource.COMPUTED, False, True)
+    assert launch.shared_angle_bytes(q64, lean64, (16, 5, 3)) == 3 * 2 * 64 * 8
