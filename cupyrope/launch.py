@@ -66,7 +66,7 @@ class LaunchRecipe:
                  "keep_alive", "spec", "_words", "_argv_address", "_argv", "_lock", "_runtime", "_driver")
 
     def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive,
-                 shared_bytes=0):
+                 shared_bytes=0, spec=None):
         self.function_ptr = function_ptr
         self.device = device
         self.grid = grid
@@ -75,7 +75,7 @@ class LaunchRecipe:
         self.sin_offset = sin_offset  # cache source: sin half = cache pointer + this many bytes
         self.vector = vector
         self.keep_alive = keep_alive  # device constants the parameters point at
-        self.spec = None  # the KernelSpec launched (set by rotate_on_gpu; tests read it)
+        self.spec = spec  # the KernelSpec launched (tests read it)
         # The parameter block is reused: only its pointer fields change between calls, and
         # cuLaunchKernel copies it before returning, so a lock around fill + launch suffices.
         self._words = _ParamsWords.from_buffer_copy(params.tobytes())
@@ -313,8 +313,7 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
         block, grid = launch_geometry(plan, access, pairs, copy_pass, kernel.num_regs)
         shared_bytes = 0
     recipe = LaunchRecipe(kernel.ptr, plan.device, grid, block, p, sin_offset, vector, keep_alive,
-                          shared_bytes)
-    recipe.spec = spec
+                          shared_bytes, spec)
     recipe.launch(plan.q.obj, plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr,
                   0 if k is None else k_out.ptr,
                   0 if plan.positions is None else plan.positions.ptr, cos_ptr, sin_ptr)

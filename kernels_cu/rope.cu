@@ -6,7 +6,8 @@
 //   y            heads of q followed by heads of k: blockIdx.y * blockDim.y + threadIdx.y, strided
 //                by gridDim.y * blockDim.y (the host splits heads over blocks when tokens are few);
 //   threadIdx.z  a token, with blocks striding over tokens.
-// cos/sin for a chunk are loaded (or computed) once per token and reused for every head.
+// cos/sin for a chunk are loaded (or computed) once per token and reused for every head; the lean
+// computed-angle kernel computes each pair's angle once per token, shared through shared memory.
 #include "numeric.cuh"
 #include "vector_io.cuh"
 #include "angles.cuh"

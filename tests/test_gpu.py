@@ -766,13 +766,11 @@ def test_tensor_over_2p31_elements(rng):
 # Many threads making their first call at once; warmup
 
 
-def test_threads_first_call_compile_once(rng, monkeypatch):
-    """Eight threads call a specialisation that is not compiled yet, at the same moment: it compiles
-    once and every thread gets correct results."""
+@pytest.fixture
+def compiled_specs(monkeypatch):
+    """Forget every compiled kernel, then record each specialisation compiled from here on."""
     from cupyrope import kernels
 
-    # Force a real NVRTC compile (CuPy's disk cache would otherwise hand back the binary).
-    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")
     cr.clear_cache()
     compiled = []
     real_compile = kernels._compile
@@ -782,6 +780,15 @@ def test_threads_first_call_compile_once(rng, monkeypatch):
         return real_compile(spec, device_id)
 
     monkeypatch.setattr(kernels, "_compile", counting_compile)
+    return compiled
+
+
+def test_threads_first_call_compile_once(rng, monkeypatch, compiled_specs):
+    """Eight threads call a specialisation that is not compiled yet, at the same moment: it compiles
+    once and every thread gets correct results."""
+    # Force a real NVRTC compile (CuPy's disk cache would otherwise hand back the binary).
+    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")
+    compiled = compiled_specs
 
     n = 8
     d = 6  # float16, NeoX, half = 3: the scalar path; float64 table: a specialisation used nowhere else
@@ -823,18 +830,8 @@ def test_threads_first_call_compile_once(rng, monkeypatch):
                               rotary_dim=d)
 
 
-def test_warmup_counts_and_precompiles(rng, monkeypatch):
-    from cupyrope import kernels
-
-    cr.clear_cache()
-    compiled = []
-    real_compile = kernels._compile
-
-    def counting_compile(spec, device_id):
-        compiled.append(spec)
-        return real_compile(spec, device_id)
-
-    monkeypatch.setattr(kernels, "_compile", counting_compile)
+def test_warmup_counts_and_precompiles(rng, compiled_specs):
+    compiled = compiled_specs
 
     count = cr.warmup(dtypes=("float16",), table_dtypes=("float32",), sources=("cache", "computed"),
                       interleaved=(False, True), vector=(True,))

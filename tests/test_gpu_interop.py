@@ -103,6 +103,20 @@ def check_torch_outputs(torch, outs, inputs, *, inplace):
         assert out.device == inp.device and out.dtype == inp.dtype and out.shape == inp.shape
 
 
+def torch_rope_and_check(torch, q, k, hosts, call, ref, *, inplace=False, max_angle=0.0):
+    """apply_rope on torch tensors q, k (host copies ``hosts`` taken before the call); checks the
+    outputs' type and placement, then every rotated value against the float64 reference. Out of
+    place, the allocator is poisoned first, so that an output element never written shows."""
+    if not inplace:
+        poison_torch_allocator(torch, nbytes(q), nbytes(k))
+    outs = cr.apply_rope(q, k, **call, inplace=inplace)
+    check_torch_outputs(torch, outs, (q, k), inplace=inplace)
+    for out, x in zip(outs, hosts):
+        assert_rope_close(out, reference_rope(x, **ref), x, interleaved=False, rotary_dim=D,
+                          max_angle=max_angle)
+    return outs
+
+
 def torch_angles(torch, source, positions_host, *, rotary_dim=D, interleaved=False,
                  token_shape=(T,)):
     """(apply_rope kwargs with torch tensors, reference kwargs, max_angle)."""
@@ -140,12 +154,8 @@ def test_torch_dtypes_and_sources(torch, rng, dtype, source):
     q, k = to_torch(torch, xq), to_torch(torch, xk)
     positions = rng.integers(0, MAX_POSITION, T).astype("int64" if dtype != "float16" else "int32")
     call, ref, max_angle = torch_angles(torch, source, positions)
-    poison_torch_allocator(torch, nbytes(q), nbytes(k))
-    outs = cr.apply_rope(q, k, **call)
-    check_torch_outputs(torch, outs, (q, k), inplace=False)
-    for out, x, inp in zip(outs, (xq, xk), (q, k)):
-        assert_rope_close(out, reference_rope(x, **ref), x, interleaved=False, rotary_dim=D,
-                          max_angle=max_angle)
+    torch_rope_and_check(torch, q, k, (xq, xk), call, ref, max_angle=max_angle)
+    for inp, x in zip((q, k), (xq, xk)):
         assert_bits_equal(inp, x, what="input of an out-of-place call")
 
 
@@ -174,12 +184,7 @@ def test_torch_fused_qkv_views(torch, rng, inplace):
     xq, xk = host_copy(q), host_copy(k)
     positions = rng.integers(0, MAX_POSITION, T)
     call, ref, _ = torch_angles(torch, "cache", positions)
-    if not inplace:
-        poison_torch_allocator(torch, nbytes(q), nbytes(k))
-    outs = cr.apply_rope(q, k, **call, inplace=inplace)
-    check_torch_outputs(torch, outs, (q, k), inplace=inplace)
-    for out, x in zip(outs, (xq, xk)):
-        assert_rope_close(out, reference_rope(x, **ref), x, interleaved=False, rotary_dim=D)
+    torch_rope_and_check(torch, q, k, (xq, xk), call, ref, inplace=inplace)
     after = host_copy(qkv)
     assert_bits_equal(after[:, (hq + hk) * D :], before[:, (hq + hk) * D :], what="v part of qkv")
     if not inplace:
@@ -195,12 +200,7 @@ def test_torch_transposed_storage(torch, rng, inplace):
     xq, xk = host_copy(q), host_copy(k)
     positions = rng.integers(0, MAX_POSITION, (b, s))
     call, ref, _ = torch_angles(torch, "cache", positions)
-    if not inplace:
-        poison_torch_allocator(torch, nbytes(q), nbytes(k))
-    outs = cr.apply_rope(q, k, **call, inplace=inplace)
-    check_torch_outputs(torch, outs, (q, k), inplace=inplace)
-    for out, x in zip(outs, (xq, xk)):
-        assert_rope_close(out, reference_rope(x, **ref), x, interleaved=False, rotary_dim=D)
+    torch_rope_and_check(torch, q, k, (xq, xk), call, ref, inplace=inplace)
 
 
 def test_torch_runs_on_current_stream(torch, rng):
