@@ -10,7 +10,8 @@ take a vectorised NumPy path with the same semantics.
 
 from .api import apply_rope
 from .frequencies import cos_sin_cache, rope_frequencies
-from .kernels import AngleSource, warmup
+from .abi import AngleSource
+from .kernels import warmup
 from .positions import context_parallel_positions, te_positions, varlen_positions
 
 __version__ = "0.1.0"
@@ -18,10 +19,9 @@ __version__ = "0.1.0"
 
 def clear_cache() -> None:
     """Forget compiled kernels and uploaded frequency tables of this process."""
-    from . import api, kernels, launch
+    from . import execute, kernels, launch
 
-    with api._recipes_lock:
-        api._recipes.clear()
+    execute.clear()
     kernels.clear_cache()
     launch.device_constants.clear()
 

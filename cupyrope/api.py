@@ -1,20 +1,22 @@
-"""The public entry point, :func:`apply_rope`."""
+"""The public entry point, :func:`apply_rope`, and the one place where a call is routed.
+
+A call goes to one of three places, decided here once:
+
+- inside ``torch.compile`` / ``torch.export`` tracing: the traceable torch custom op
+  (``cupyrope.torch_ops``);
+- torch tensors that require grad (grad mode on): the differentiable custom ops, and JAX tracers
+  (``jax.grad``, ``jax.jit``, ``jax.vmap``): ``cupyrope.jax_ops``;
+- everything else: :func:`cupyrope.execute.run` directly.
+
+Both framework routes end in :func:`cupyrope.execute.run` too, so every call is checked, planned
+and launched by the same code.
+"""
 
 from __future__ import annotations
 
 import sys
-import threading
 
-from .arrays import empty_like_caller, finish, gpu_array_key, host_view, new_gpu_outputs
-from .cpu import rotate_on_host
-from .plan import check_positions_in_cache, plan_rope
-
-# Launch recipes of earlier GPU calls, keyed on everything they depend on except data pointers.
-# A repeated call (same shapes, strides, dtypes, devices, alignment and options) skips argument
-# checking and planning: the checks passed for exactly this metadata before.
-_recipes: dict = {}
-_recipes_lock = threading.Lock()
-_MAX_RECIPES = 4096
+from . import execute
 
 
 def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=None,
@@ -91,62 +93,10 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
             q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
             scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
             inplace=inplace, validate=validate, seq_len=seq_len)
-    return _rotate(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, interleaved,
-                   rotary_dim, inverse, inplace, validate, seq_len)
-
-
-def _rotate(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
-            inverse, inplace, validate, seq_len):
-    """apply_rope outside torch.compile tracing: the repeat-call path first, then the full one
-    (the custom ops of cupyrope.torch_ops call this on detached tensors)."""
-    options = (theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len)
-    key = None if validate else _recipe_key(q, k, positions, cos_sin_cache, cos, sin, options)
-    if key is not None:
-        try:
-            recipe = _recipes.get(key[0])
-        except TypeError:  # an unhashable option (e.g. theta given as an array): full path
-            recipe = key = None
-        if recipe is not None:
-            result = _replay(recipe, q, k, key[1], inplace)
-            if result is not None:
-                return result
-
-    route = _framework_route(q, k, positions, cos_sin_cache, cos, sin)
-    if route is not None:  # differentiation or tracing needs the framework's own machinery
-        return route.apply_rope(
-            q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
-            scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
-            inplace=inplace, validate=validate, seq_len=seq_len)
-
-    plan = plan_rope(q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
-                     scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim,
-                     inverse=inverse, inplace=inplace, seq_len=seq_len)
-    if validate:
-        check_positions_in_cache(plan)
-
-    inputs = [plan.q] + ([plan.k] if plan.k is not None else [])
-    if plan.inplace:
-        natives, outputs = [info.obj for info in inputs], inputs
-    else:
-        made = [empty_like_caller(info, info.shape, info.dtype) for info in inputs]
-        natives, outputs = [m[0] for m in made], [m[1] for m in made]
-
-    empty = plan.num_tokens == 0 or plan.num_q_heads + plan.num_k_heads == 0
-    if not empty:
-        if plan.q.on_gpu:
-            from .launch import rotate_on_gpu
-
-            recipe = rotate_on_gpu(plan, outputs)
-            if key is not None:
-                with _recipes_lock:
-                    if len(_recipes) >= _MAX_RECIPES:
-                        _recipes.clear()
-                    _recipes[key[0]] = recipe
-        else:
-            rotate_on_host(plan, [host_view(info) for info in outputs])
-
-    results = natives if plan.inplace else [finish(info, out) for info, out in zip(inputs, natives)]
-    return results[0] if plan.k is None else (results[0], results[1])
+    return execute.run(q, k, positions, cos_sin_cache, cos, sin, theta=theta, scaling=scaling,
+                       interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
+                       inplace=inplace, validate=validate, seq_len=seq_len,
+                       router=_framework_route)
 
 
 def _compiling_before_torch() -> bool:
@@ -188,47 +138,3 @@ def _framework_route(q, k, positions, cos_sin_cache, cos, sin):
         if jax_ops.is_traced(q, k, positions, cos_sin_cache, cos, sin):
             return jax_ops
     return None
-
-
-def _recipe_key(q, k, positions, cos_sin_cache, cos, sin, options):
-    """(hashable key, data pointers) for a call on CUDA torch tensors / CuPy arrays, else None."""
-    metas, pointers = [], []
-    for x in (q, k, positions, cos_sin_cache, cos, sin):
-        if x is None:
-            metas.append(None)
-            pointers.append(0)
-            continue
-        found = gpu_array_key(x)
-        if found is None:
-            return None
-        metas.append(found[0])
-        pointers.append(found[1])
-    theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len = options
-    # Only exact bools: interleaved=1 must still reach the check that rejects it.
-    if not (type(interleaved) is bool and type(inverse) is bool and type(inplace) is bool):
-        return None
-    if scaling is not None:
-        try:  # lists (LongRoPE factors, mrope_section) as tuples, so the key hashes
-            scaling = tuple(sorted((key, tuple(value) if isinstance(value, list) else value)
-                                   for key, value in scaling.items()))
-            hash(scaling)
-        except (AttributeError, TypeError):
-            return None
-    same_qk = k is not None and pointers[1] == pointers[0]  # refused in place; must not be cached
-    key = (tuple(metas), type(theta), theta, scaling, interleaved, rotary_dim, inverse, inplace,
-           seq_len, same_qk)
-    return key, pointers
-
-
-def _replay(recipe, q, k, pointers, inplace):
-    """Run a cached recipe on new arrays; None when the full path must decide instead."""
-    q_ptr, k_ptr, positions_ptr, cache_ptr, cos_ptr, sin_ptr = pointers
-    if inplace:
-        q_out, k_out, q_out_ptr, k_out_ptr = q, k, q_ptr, k_ptr
-    else:
-        q_out, q_out_ptr, k_out, k_out_ptr = new_gpu_outputs(q, k)
-        if recipe.vector and (q_out_ptr | k_out_ptr) & 15:
-            return None  # allocators align to 256 bytes; never expected, but never assumed
-    recipe.launch(q, q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr or cos_ptr,
-                  sin_ptr)
-    return q_out if k is None else (q_out, k_out)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import ITEMSIZE, dtype_name, numpy_dtype
+from .dtypes import dtype_name, numpy_dtype
 
 # DLPack device types (dlpack.h): kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged.
 _DLPACK_CPU = (1, 3)
@@ -128,10 +128,16 @@ def _torch():
     return torch
 
 
-def _cupy():
-    from .kernels import _import_cupy
-
-    return _import_cupy()
+def cupy_module():
+    """CuPy, or an ImportError that says which extra installs it."""
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "cupyrope needs CuPy to run on the GPU: pip install 'cupyrope[cuda13]' "
+            "(or 'cupyrope[cuda12]' for a CUDA 12 driver)"
+        ) from exc
+    return cupy
 
 
 def describe(x, name: str) -> ArrayInfo:
@@ -165,8 +171,19 @@ def _from_jax(x, name: str) -> ArrayInfo:
         return _from_numpy(np.asarray(x), name, obj=x, kind="jax", writable=False)
     if platforms <= {"gpu", "cuda"} and len(devices) == 1:
         # CuPy passes its current stream to __dlpack__, so JAX's pending writes are visible.
-        return _from_cupy(_cupy().from_dlpack(x), name, obj=x, kind="jax", writable=False)
+        return _from_cupy(cupy_module().from_dlpack(x), name, obj=x, kind="jax", writable=False)
     raise TypeError(f"{name}: JAX arrays must live on one CPU or CUDA device, got {devices}")
+
+
+def describe_traced(x, name: str) -> ArrayInfo:
+    """An ArrayInfo from the shape and dtype alone, as XLA will lay the array out (C order), for
+    checking a JAX call while it is traced; it has no memory (immutable, no device pointer)."""
+    strides, step = [], 1
+    for size in reversed(tuple(x.shape)):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return ArrayInfo(obj=x, kind="jax", device=None, ptr=0, shape=tuple(int(n) for n in x.shape),
+                     strides=tuple(reversed(strides)), dtype=dtype_name(x.dtype), writable=False)
 
 
 def _from_dlpack(x, name: str) -> ArrayInfo:
@@ -174,7 +191,7 @@ def _from_dlpack(x, name: str) -> ArrayInfo:
     if device_type in _DLPACK_CPU:
         return _from_numpy(np.from_dlpack(x), name, obj=x, kind="dlpack")
     if device_type in _DLPACK_CUDA:
-        return _from_cupy(_cupy().from_dlpack(x), name, obj=x, kind="dlpack")
+        return _from_cupy(cupy_module().from_dlpack(x), name, obj=x, kind="dlpack")
     raise TypeError(f"{name}: DLPack device type {device_type} is not supported (CPU or CUDA only)")
 
 
@@ -182,24 +199,26 @@ def _from_dlpack(x, name: str) -> ArrayInfo:
 # Outputs in the caller's type
 
 
-def empty_like_caller(like: ArrayInfo, shape: tuple[int, ...], dtype: str):
-    """A new contiguous array of ``like``'s type and device.
-
-    Returns (native, info): ``native`` is what the caller gets back (after ``finish``); ``info``
-    describes its memory for the kernels or the NumPy path.
-    """
-    if like.kind == "torch":
+def new_output(x, kind: str, device: int | None, shape: tuple[int, ...], dtype: str):
+    """A new contiguous output shaped like an input: a torch tensor for torch inputs
+    (``empty_like``: the cheapest torch allocation from Python, ~1.4 us against ~3.2 us for
+    ``torch.empty(shape, dtype=, device=)``), a CuPy array for every other input on a GPU (JAX and
+    DLPack producers get theirs through :func:`finish`), a NumPy array on the CPU."""
+    if kind == "torch":
         torch = _torch()
-        device = "cpu" if like.device is None else f"cuda:{like.device}"
-        out = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        return out, describe(out, "output")
-    if like.on_gpu:
-        cupy = _cupy()
-        with cupy.cuda.Device(like.device):
-            out = cupy.empty(shape, dtype=numpy_dtype(dtype))
-        return out, _from_cupy(out, "output")
-    out = np.empty(shape, dtype=numpy_dtype(dtype))
-    return out, _from_numpy(out, "output")
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    if device is not None:
+        cupy = cupy_module()
+        with cupy.cuda.Device(device):
+            return cupy.empty(shape, dtype=numpy_dtype(dtype))
+    return np.empty(shape, dtype=numpy_dtype(dtype))
+
+
+def empty_like_caller(like: ArrayInfo):
+    """(native, info) of a new contiguous array shaped like ``like``: ``native`` is what the
+    caller gets back (after :func:`finish`), ``info`` describes its memory."""
+    out = new_output(like.obj, like.kind, like.device, like.shape, like.dtype)
+    return out, describe(out, "output")
 
 
 def finish(like: ArrayInfo, out):
@@ -224,14 +243,70 @@ def host_view(info: ArrayInfo) -> np.ndarray:
     return info.view
 
 
-def requires_grad(info: ArrayInfo) -> bool:
-    if info.kind != "torch":
+def to_host(info: ArrayInfo) -> np.ndarray:
+    """The values of an array as a NumPy array: a view on the CPU, a copy (which synchronises)
+    from a GPU."""
+    if not info.on_gpu:
+        return np.asarray(host_view(info))
+    if info.kind == "torch":
+        return host_view(describe(info.obj.detach().cpu(), "array"))
+    return info.view.get()
+
+
+def place_like(host: np.ndarray, like):
+    """A host array as ``like``'s array type on its device (``host`` itself for None / NumPy)."""
+    if like is None:
+        return host
+    info = describe(like, "like")
+    if info.kind == "jax":
+        import jax
+
+        return jax.device_put(host, next(iter(like.devices())))
+    if info.kind == "torch":
+        torch = _torch()
+        if host.dtype == numpy_dtype("bfloat16"):
+            tensor = torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(host)
+        return tensor.to("cpu" if info.device is None else f"cuda:{info.device}")
+    if info.on_gpu:
+        out = new_output(None, "cupy", info.device, host.shape, host.dtype.name)
+        out.set(host)
+        return finish(info, out)
+    return host
+
+
+def upload(values: np.ndarray, device: int):
+    """A CuPy copy of a host array on ``device``, complete when this returns: the copy runs on
+    CuPy's stream and a kernel may read it from another (torch's)."""
+    cupy = cupy_module()
+    with cupy.cuda.Device(device):
+        array = cupy.asarray(values)
+        cupy.cuda.get_current_stream().synchronize()
+    return array
+
+
+def cupy_view_of_buffer(buffer):
+    """A CuPy array over a device buffer that has ``__cuda_array_interface__`` (an XLA buffer
+    handed to a callback), without a copy and without synchronising."""
+    cupy = cupy_module()
+    shape, dtype = tuple(buffer.shape), np.dtype(buffer.dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    pointer = buffer.__cuda_array_interface__["data"][0]
+    if nbytes == 0 or pointer == 0:
+        return cupy.ndarray(shape, dtype=dtype)
+    device = cupy.cuda.runtime.pointerGetAttributes(pointer).device
+    memory = cupy.cuda.UnownedMemory(pointer, nbytes, owner=buffer, device_id=device)
+    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+
+def on_gpu_buffer(buffer) -> bool:
+    """Whether a buffer handed to a callback lives on a CUDA device."""
+    try:
+        buffer.__cuda_array_interface__
+    except Exception:  # CPU buffers have no such interface
         return False
-    return bool(info.obj.requires_grad) and _torch().is_grad_enabled()
-
-
-def itemsize(info: ArrayInfo) -> int:
-    return ITEMSIZE[info.dtype]
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,21 +348,14 @@ def gpu_array_key(x):
 
 def new_gpu_outputs(q, k):
     """(q_out, q_out pointer, k_out, k_out pointer): new contiguous arrays of q's and k's type,
-    shape, dtype and device (k may be None).
-
-    ``empty_like`` is the cheapest torch allocation from Python (measured on the H200 machine's
-    host: ~1.4 us each, against ~3.2 us for ``torch.empty(shape, dtype=, device=)`` and ~8.8 us
-    for one buffer sliced into two views).
-    """
+    shape, dtype and device (k may be None), for a CUDA torch tensor or CuPy array q."""
     if _gpu_kind(q) == "torch":
-        torch = _torch()
-        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        k_out = None if k is None else torch.empty_like(k, memory_format=torch.contiguous_format)
+        q_out = new_output(q, "torch", None, (), "")
+        k_out = None if k is None else new_output(k, "torch", None, (), "")
         return q_out, q_out.data_ptr(), k_out, 0 if k is None else k_out.data_ptr()
-    cupy = _cupy()
-    with cupy.cuda.Device(q.device.id):
-        q_out = cupy.empty(q.shape, dtype=q.dtype)
-        k_out = None if k is None else cupy.empty(k.shape, dtype=k.dtype)
+    device = q.device.id
+    q_out = new_output(q, "cupy", device, q.shape, q.dtype.name)
+    k_out = None if k is None else new_output(k, "cupy", device, k.shape, k.dtype.name)
     return q_out, q_out.data.ptr, k_out, 0 if k is None else k_out.data.ptr
 
 
@@ -295,7 +363,7 @@ def current_stream(like, device: int) -> int:
     """The stream handle for a torch tensor or CuPy array on ``device`` (the current device)."""
     if _gpu_kind(like) == "torch":
         return _raw_torch_stream(device)
-    return _cupy().cuda.get_current_stream().ptr
+    return cupy_module().cuda.get_current_stream().ptr
 
 
 def _raw_torch_stream(device: int) -> int:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import FLOAT_DTYPES, numpy_dtype, round_once
-# check_theta, rotary_dim_for, scaling_type and ROPE_TYPES are re-exported for plan.py and callers.
-from .schedules import ROPE_TYPES, check_theta, compute_frequencies, rotary_dim_for, scaling_type
+from .arrays import place_like
+from .dtypes import FLOAT_DTYPES, round_once
+from .schedules import ROPE_TYPES, compute_frequencies, scaling_type
 
-__all__ = ["ROPE_TYPES", "check_theta", "compute_frequencies", "cos_sin_cache", "cos_sin_table",
-           "rope_frequencies", "rotary_dim_for", "scaling_type"]
+__all__ = ["ROPE_TYPES", "cos_sin_cache", "cos_sin_table", "rope_frequencies", "scaling_type"]
 
 
 def rope_frequencies(rotary_dim, *, theta=10000.0, scaling=None, seq_len=None):
@@ -145,32 +144,4 @@ def cos_sin_cache(max_position, rotary_dim, *, theta=10000.0, scaling=None, dtyp
     )
     cos, sin = cos_sin_table(np.arange(int(max_position)), inv_freq, attention_factor)
     cache = round_once(np.concatenate([cos, sin], axis=-1), dtype)
-    return _place_like(cache, like)
-
-
-def _place_like(host: np.ndarray, like):
-    """Copy a host array to the type and device of ``like`` (or return it for None / NumPy)."""
-    if like is None:
-        return host
-    from .arrays import describe, empty_like_caller, finish
-
-    info = describe(like, "like")
-    if info.kind == "jax":
-        import jax
-
-        device = next(iter(like.devices()))
-        return jax.device_put(host, device)
-    if info.kind == "torch":
-        import torch
-
-        if host.dtype == numpy_dtype("bfloat16"):
-            tensor = torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
-        else:
-            tensor = torch.from_numpy(host)
-        device = "cpu" if info.device is None else f"cuda:{info.device}"
-        return tensor.to(device)
-    if info.on_gpu:
-        out, _ = empty_like_caller(info, host.shape, host.dtype.name)
-        out.set(host)
-        return finish(info, out)
-    return host
+    return place_like(cache, like)

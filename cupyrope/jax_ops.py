@@ -34,16 +34,17 @@ carrying the IndexError's message, when the computation runs.
 from __future__ import annotations
 
 import functools
-import json
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .arrays import describe
-from .cpu import rotate_on_host
-from .plan import check_positions_in_cache, plan_rope
+from . import execute
+from .arrays import cupy_module, cupy_view_of_buffer, describe_traced, on_gpu_buffer
+from .plan import check_values, plan_rope
+from .scaling import Scaling
+from .validators import check_real
 
 _ARGUMENTS = ("q", "k", "positions", "cos_sin_cache", "cos", "sin")
 
@@ -58,7 +59,7 @@ class _Static(NamedTuple):
     """The hashable, non-array options of one call (custom_vjp's non-differentiable argument)."""
 
     theta: float
-    scaling: str | None  # the rope_scaling dict as JSON text
+    scaling: Scaling | None
     interleaved: bool
     rotary_dim: int | None
     inverse: bool
@@ -66,10 +67,8 @@ class _Static(NamedTuple):
     seq_len: int | None
 
     def call_options(self) -> dict:
-        return dict(theta=self.theta,
-                    scaling=None if self.scaling is None else json.loads(self.scaling),
-                    interleaved=self.interleaved, rotary_dim=self.rotary_dim,
-                    inverse=self.inverse, seq_len=self.seq_len)
+        return dict(theta=self.theta, scaling=self.scaling, interleaved=self.interleaved,
+                    rotary_dim=self.rotary_dim, inverse=self.inverse, seq_len=self.seq_len)
 
 
 def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=None,
@@ -82,13 +81,16 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     Options other than arrays (``theta``, ``scaling``, ``rotary_dim`` ...) must be concrete Python
     values.
     """
-    if isinstance(inplace, (bool, np.bool_)) and inplace:
-        raise TypeError("apply_rope: inplace=True needs a mutable array; q is an immutable JAX array")
     arrays = [_as_jax(x, name) for x, name in zip((q, k, positions, cos_sin_cache, cos, sin),
                                                    _ARGUMENTS)]
-    static = _Static(_number(theta, "theta"), _scaling_json(scaling), interleaved, rotary_dim,
-                     inverse, validate, seq_len)
-    _check_on_stand_ins(static, arrays, inplace)
+    static = _Static(_number(theta, "theta"), _hashable_scaling(scaling), interleaved,
+                     rotary_dim, inverse, validate, seq_len)
+    # Argument errors are raised now, while tracing, from the traced shapes and dtypes.
+    plan_rope(*(None if x is None else describe_traced(x, name)
+                for x, name in zip(arrays[:3], _ARGUMENTS)),
+              **{name: None if x is None else describe_traced(x, name)
+                 for x, name in zip(arrays[3:], ("cos_sin_cache", "cos", "sin"))},
+              inplace=inplace, **static.call_options())
     q, k, *tables = arrays
     q_out, k_out = _rope(static, q, k, tuple(tables))
     return q_out if k is None else (q_out, k_out)
@@ -106,54 +108,22 @@ def _as_jax(x, name: str):
 
 
 def _number(value, name: str) -> float:
-    if isinstance(value, bool):
-        raise TypeError(f"apply_rope: {name} must be a number, got bool")
-    try:
-        return float(value)
-    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+    if isinstance(value, jax.core.Tracer):
         raise TypeError(
             f"apply_rope: {name} must be a concrete number (not a traced value), got "
             f"{type(value).__name__}"
-        ) from None
-
-
-def _scaling_json(scaling) -> str | None:
-    if scaling is None:
-        return None
-    if not isinstance(scaling, dict):
-        raise TypeError(
-            "apply_rope: scaling must be None or a Hugging Face rope_scaling dict, "
-            f"got {type(scaling).__name__}"
         )
-
-    def plain(value):
-        if isinstance(value, np.generic):
-            return value.item()
-        if isinstance(value, np.ndarray):
-            return value.tolist()
-        raise TypeError(f"apply_rope: scaling holds a value JSON cannot carry: {value!r}")
-
-    return json.dumps(scaling, sort_keys=True, default=plain)
+    return check_real(value, name, "apply_rope")
 
 
-def _stand_in(x):
-    """A NumPy array with x's shape, dtype and C-order strides over one element of memory: the
-    argument checks read only metadata, so traced shapes are checked without allocating them."""
-    if x is None:
-        return None
-    dtype = np.dtype(x.dtype)
-    strides, step = [], dtype.itemsize
-    for size in reversed(x.shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=x.shape,
-                                           strides=tuple(reversed(strides)), writeable=False)
-
-
-def _check_on_stand_ins(static: _Static, arrays, inplace) -> None:
-    q, k, positions, cache, cos, sin = (_stand_in(x) for x in arrays)
-    plan_rope(q, k, positions, cos_sin_cache=cache, cos=cos, sin=sin, inplace=inplace,
-              **static.call_options())
+def _hashable_scaling(scaling) -> Scaling | None:
+    frozen = Scaling.from_dict(scaling)
+    try:
+        hash(frozen)
+    except TypeError:
+        raise TypeError(f"apply_rope: scaling holds a value JAX cannot take as a static "
+                        f"argument (unhashable): {scaling!r}") from None
+    return frozen
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,16 +173,18 @@ def _callback(static: _Static, present: tuple[bool, ...]):
         it = iter(buffers)
         q = next(it)
         k, positions, cache, cos, sin = (next(it) if here else None for here in present)
-        on_gpu = _on_gpu(q)
-        view = _cupy_view if on_gpu else np.asarray
-        arrays = [None if b is None else view(b) for b in (q, k, positions, cache, cos, sin)]
-        out_arrays = [view(b) for b in outs]
-        if on_gpu:
-            _rotate_on_xla_stream(ctx, static, options, arrays, out_arrays)
-        else:
-            plan = _plan(static, options, arrays)
-            if plan.num_tokens and plan.num_q_heads + plan.num_k_heads:
-                rotate_on_host(plan, out_arrays)
+        if not on_gpu_buffer(q):
+            arrays = [None if b is None else np.asarray(b) for b in (q, k, positions, cache, cos, sin)]
+            execute.rotate_into(_plan(static, options, arrays), [np.asarray(b) for b in outs])
+            return
+        arrays = [None if b is None else cupy_view_of_buffer(b)
+                  for b in (q, k, positions, cache, cos, sin)]
+        cupy = cupy_module()
+        device = arrays[0].device.id
+        # The kernel runs on XLA's stream, on XLA's buffers: nothing is copied or synchronised.
+        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(ctx.stream, device):
+            execute.rotate_into(_plan(static, options, arrays),
+                                [cupy_view_of_buffer(b) for b in outs])
 
     return run
 
@@ -221,40 +193,5 @@ def _plan(static: _Static, options: dict, arrays):
     q, k, positions, cache, cos, sin = arrays
     plan = plan_rope(q, k, positions, cos_sin_cache=cache, cos=cos, sin=sin, **options)
     if static.validate:
-        check_positions_in_cache(plan)
+        check_values(plan)
     return plan
-
-
-def _on_gpu(buffer) -> bool:
-    try:
-        buffer.__cuda_array_interface__
-    except Exception:  # CPU buffers have no such interface
-        return False
-    return True
-
-
-def _cupy_view(buffer):
-    """A CuPy array over an XLA device buffer (no copy)."""
-    from .kernels import _import_cupy
-
-    cupy = _import_cupy()
-    shape, dtype = tuple(buffer.shape), np.dtype(buffer.dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    pointer = buffer.__cuda_array_interface__["data"][0]
-    if nbytes == 0 or pointer == 0:
-        return cupy.ndarray(shape, dtype=dtype)
-    device = cupy.cuda.runtime.pointerGetAttributes(pointer).device
-    memory = cupy.cuda.UnownedMemory(pointer, nbytes, owner=buffer, device_id=device)
-    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
-
-
-def _rotate_on_xla_stream(ctx, static: _Static, options: dict, arrays, out_arrays) -> None:
-    from .kernels import _import_cupy
-    from .launch import rotate_on_gpu
-
-    cupy = _import_cupy()
-    device = arrays[0].device.id
-    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(ctx.stream, device):
-        plan = _plan(static, options, arrays)
-        if plan.num_tokens and plan.num_q_heads + plan.num_k_heads:
-            rotate_on_gpu(plan, [describe(out, "output") for out in out_arrays])

@@ -12,7 +12,6 @@ compile options; a fingerprint of every file in ``kernels_cu/`` is one of those 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import hashlib
 import importlib.resources
@@ -21,17 +20,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from .abi import AngleSource
+from .arrays import cupy_module
 from .dtypes import CUDA_TYPE_NAMES, FLOAT_DTYPES
 
 SOURCE_FILE = "rope.cu"
-
-
-class AngleSource(enum.IntEnum):
-    """Where a kernel gets cos/sin from (the SOURCE template argument of rope_kernel)."""
-
-    CACHE_TABLE = 0  # vLLM layout [max_position, rotary_dim], row positions[t]
-    TOKEN_TABLES = 1  # cos / sin broadcastable to the token dims
-    COMPUTED = 2  # positions * inv_freq, reduced in float64 in the kernel
 
 
 @dataclass(frozen=True)
@@ -135,17 +128,6 @@ _locks: dict[tuple[int, KernelSpec], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
 
-def _import_cupy():
-    try:
-        import cupy
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "cupyrope needs CuPy to run on the GPU: pip install 'cupyrope[cuda13]' "
-            "(or 'cupyrope[cuda12]' for a CUDA 12 driver)"
-        ) from exc
-    return cupy
-
-
 def get_kernel(spec: KernelSpec, device_id: int) -> CompiledKernel:
     """The compiled kernel for ``spec`` on ``device_id``, compiling it on first use."""
     key = (device_id, spec)
@@ -163,7 +145,7 @@ def get_kernel(spec: KernelSpec, device_id: int) -> CompiledKernel:
 
 
 def _compile(spec: KernelSpec, device_id: int) -> CompiledKernel:
-    cupy = _import_cupy()
+    cupy = cupy_module()
     source, _ = _read_sources()
     with cupy.cuda.Device(device_id):
         module = cupy.RawModule(
@@ -214,7 +196,7 @@ def warmup(
     >>> cr.warmup(dtypes=("bfloat16",), sources=("cache",), interleaved=(False,))  # doctest: +SKIP
     3
     """
-    cupy = _import_cupy()
+    cupy = cupy_module()
     wanted_sources = {_as_source(s) for s in sources}
     for name, values in (("dtypes", dtypes), ("table_dtypes", table_dtypes)):
         unknown = set(values) - set(FLOAT_DTYPES)

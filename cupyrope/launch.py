@@ -9,102 +9,25 @@ device and kept) and nothing synchronises.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import math
-import struct
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
-from .arrays import ArrayInfo, current_stream
+from .abi import MAX_TOKEN_DIMS, PARAMS_DTYPE, AngleSource
+from .arrays import ArrayInfo, cupy_module, upload
 from .dtypes import ITEMSIZE
-from .kernels import AngleSource, KernelSpec, _import_cupy, get_kernel
+from .kernels import KernelSpec, get_kernel
 from .plan import RopePlan
-
-MAX_TOKEN_DIMS = 4  # kMaxTokenDims in kernels_cu/rope_params.cuh
-
-_TOKEN_STRIDE_FIELDS = ("q_token_stride", "k_token_stride", "q_out_token_stride",
-                        "k_out_token_stride", "positions_token_stride", "cos_token_stride",
-                        "sin_token_stride")
-
-# Field for field the layout of cupyrope::RopeParams (kernels_cu/rope_params.cuh).
-PARAMS_DTYPE = np.dtype(
-    [(name, np.uint64) for name in ("q", "k", "q_out", "k_out", "positions", "cos", "sin",
-                                    "inv_freq")]
-    + [("num_tokens", np.int64), ("token_ndim", np.int64),
-       ("token_shape", np.int64, (MAX_TOKEN_DIMS,))]
-    + [(name, np.int64, (MAX_TOKEN_DIMS,)) for name in _TOKEN_STRIDE_FIELDS]
-    + [(name, np.int64) for name in (
-        "q_head_stride", "k_head_stride", "q_out_head_stride", "k_out_head_stride",
-        "num_q_heads", "num_k_heads", "head_dim", "rotary_dim", "table_row_stride",
-        "cos_col_stride", "sin_col_stride", "max_position", "positions_are_int64",
-        "table_vector_ok", "copy_pass_through", "mrope_mode")]
-    + [("mrope_section", np.int64, (3,)), ("positions_component_stride", np.int64)]
-    + [("sin_sign", np.float64), ("attention_factor", np.float64)]
-)
+from .recipes import LaunchRecipe
 
 THREADS_PER_BLOCK = 256
 # Launches whose every offset (and token count) stays below this use 32-bit offsets. Half of the
 # int32 range: the kernel's token loop steps up to one grid past the last token before it stops.
 INDEX32_LIMIT = 2**30
-
-_ParamsWords = ctypes.c_uint64 * (PARAMS_DTYPE.itemsize // 8)
-_ArgumentPointers = ctypes.c_void_p * 1
-# The seven data pointers lead the struct, in this order: one pack_into writes them all.
-_DATA_POINTERS = struct.Struct("<7Q")
-assert [PARAMS_DTYPE.fields[name][1] for name in
-        ("q", "k", "q_out", "k_out", "positions", "cos", "sin")] == list(range(0, 56, 8))
-
-
-class LaunchRecipe:
-    """Everything about a launch except the data pointers, so that a repeated call with arrays of
-    the same shapes, strides, dtypes and alignment only fills in pointers and launches."""
-
-    __slots__ = ("function_ptr", "device", "grid", "block", "shared_bytes", "sin_offset", "vector",
-                 "keep_alive", "spec", "_words", "_argv_address", "_argv", "_lock", "_runtime", "_driver")
-
-    def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive,
-                 shared_bytes=0, spec=None):
-        self.function_ptr = function_ptr
-        self.device = device
-        self.grid = grid
-        self.block = block
-        self.shared_bytes = shared_bytes  # dynamic shared memory (lean computed angles)
-        self.sin_offset = sin_offset  # cache source: sin half = cache pointer + this many bytes
-        self.vector = vector
-        self.keep_alive = keep_alive  # device constants the parameters point at
-        self.spec = spec  # the KernelSpec launched (tests read it)
-        # The parameter block is reused: only its pointer fields change between calls, and
-        # cuLaunchKernel copies it before returning, so a lock around fill + launch suffices.
-        self._words = _ParamsWords.from_buffer_copy(params.tobytes())
-        # cuLaunchKernel takes an array of pointers, one per kernel argument: ours is the struct.
-        self._argv = _ArgumentPointers(ctypes.addressof(self._words))
-        self._argv_address = ctypes.addressof(self._argv)
-        self._lock = threading.Lock()
-        cupy = _import_cupy()
-        self._runtime, self._driver = cupy.cuda.runtime, cupy.cuda.driver
-
-    def launch(self, like, q, k, q_out, k_out, positions, cos, sin) -> None:
-        """Launch on ``like``'s current stream with these data pointers (0 for absent ones)."""
-        if self.sin_offset is not None:
-            sin = cos + self.sin_offset
-        runtime = self._runtime
-        previous = runtime.getDevice()
-        switched = previous != self.device
-        if switched or self._driver.ctxGetCurrent() == 0:
-            runtime.setDevice(self.device)  # also makes the primary context current on a new thread
-        try:
-            stream = current_stream(like, self.device)
-            with self._lock:
-                _DATA_POINTERS.pack_into(self._words, 0, q, k, q_out, k_out, positions, cos, sin)
-                self._driver.launchKernel(self.function_ptr, *self.grid, 1, *self.block,
-                                          self.shared_bytes, stream, self._argv_address, 0)
-        finally:
-            if switched:
-                runtime.setDevice(previous)
-
 
 def merge_token_dims(shape: tuple[int, ...], strides: list[tuple[int, ...]]):
     """Drop size-1 token dims and merge neighbours that every operand walks contiguously.
@@ -205,12 +128,8 @@ class _DeviceConstants:
         key = (device, values.tobytes())
         array = self._arrays.get(key)
         if array is None:
-            cupy = _import_cupy()
-            with self._lock, cupy.cuda.Device(device):
-                array = cupy.asarray(values, dtype=np.float64)
-                # The upload runs on CuPy's stream and the kernel may run on another (torch's):
-                # wait once here so that no kernel can read a half-copied table.
-                cupy.cuda.get_current_stream().synchronize()
+            with self._lock:
+                array = upload(np.ascontiguousarray(values, dtype=np.float64), device)
                 if len(self._arrays) > 256:
                     self._arrays.clear()
                 self._arrays[key] = array
@@ -224,9 +143,29 @@ class _DeviceConstants:
 device_constants = _DeviceConstants()
 
 
-def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
-    """Launch one kernel that rotates q (and k) of ``plan`` into ``outputs``; returns the recipe
-    that repeats this launch for other arrays of the same layout."""
+@dataclasses.dataclass(eq=False)
+class LaunchSpec:
+    """One kernel launch, decided: which specialisation, its parameter struct, the geometry and
+    the data pointers. Built from a plan without CuPy (see :func:`plan_launch`)."""
+
+    kernel: KernelSpec
+    params: np.ndarray  # a PARAMS_DTYPE scalar: the kernel's one by-value argument
+    grid: tuple[int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int  # dynamic shared memory (lean computed angles)
+    pointers: tuple[int, ...]  # q, k, q_out, k_out, positions, cos, sin (0 where absent)
+    sin_offset: int | None  # cache source: the sin half starts this many bytes after cos
+    vector: bool  # 16-byte accesses: the outputs of a repeat call must be 16-byte aligned
+
+
+def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int = 0,
+                num_regs: Callable[[KernelSpec], int], multiprocessors: int) -> LaunchSpec:
+    """The launch that rotates q (and k) of ``plan`` into ``outputs``.
+
+    ``inv_freq_ptr`` is the device copy of ``plan.inv_freq`` (computed angles), ``num_regs`` gives
+    the registers a specialisation uses (the geometry sizes blocks by it) and ``multiprocessors``
+    is the device's SM count.
+    """
     q_out = outputs[0]
     k_out = outputs[1] if plan.k is not None else None
     k = plan.k
@@ -276,10 +215,9 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
 
     table_dtype = "float32"
     cos_ptr = sin_ptr = 0
-    sin_offset = keep_alive = None
+    sin_offset = None
     if plan.source == AngleSource.COMPUTED:
-        keep_alive = device_constants.inv_freq(plan.device, plan.inv_freq)
-        p["inv_freq"] = keep_alive.data.ptr
+        p["inv_freq"] = inv_freq_ptr
     else:
         table = plan.table
         table_dtype = table.dtype
@@ -304,19 +242,32 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
                                table_vector_ok=bool(p["table_vector_ok"]))
     spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
                       wide_index, lean)
-    kernel = get_kernel(spec, plan.device)
-    block, grid = launch_geometry(plan, access, pairs, copy_pass, kernel.num_regs)
+    block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec), multiprocessors)
     shared_bytes = shared_angle_bytes(plan, spec, block)
     if shared_bytes > MAX_SHARED_ANGLE_BYTES:  # never at the usual head sizes; general kernel
         spec = dataclasses.replace(spec, lean=False)
-        kernel = get_kernel(spec, plan.device)
-        block, grid = launch_geometry(plan, access, pairs, copy_pass, kernel.num_regs)
+        block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
+                                      multiprocessors)
         shared_bytes = 0
-    recipe = LaunchRecipe(kernel.ptr, plan.device, grid, block, p, sin_offset, vector, keep_alive,
-                          shared_bytes, spec)
-    recipe.launch(plan.q.obj, plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr,
-                  0 if k is None else k_out.ptr,
-                  0 if plan.positions is None else plan.positions.ptr, cos_ptr, sin_ptr)
+    pointers = (plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr, 0 if k is None else k_out.ptr,
+                0 if plan.positions is None else plan.positions.ptr, cos_ptr, sin_ptr)
+    return LaunchSpec(spec, p, grid, block, shared_bytes, pointers, sin_offset, vector)
+
+
+def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
+    """Launch one kernel that rotates q (and k) of ``plan`` into ``outputs``; returns the recipe
+    that repeats this launch for other arrays of the same layout."""
+    device = plan.device
+    inv_freq = None
+    if plan.source == AngleSource.COMPUTED:
+        inv_freq = device_constants.inv_freq(device, plan.inv_freq)
+    spec = plan_launch(plan, outputs, inv_freq_ptr=0 if inv_freq is None else inv_freq.data.ptr,
+                       num_regs=lambda kernel_spec: get_kernel(kernel_spec, device).num_regs,
+                       multiprocessors=_multiprocessors(device))
+    kernel = get_kernel(spec.kernel, device)
+    recipe = LaunchRecipe(kernel.ptr, device, spec.grid, spec.block, spec.params, spec.sin_offset,
+                          spec.vector, inv_freq, spec.shared_bytes, spec.kernel)
+    recipe.launch(plan.q.obj, *spec.pointers)
     return recipe
 
 
@@ -346,7 +297,7 @@ MAX_TOKENS_PER_BLOCK = 64
 
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device: int) -> int:
-    return _import_cupy().cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+    return cupy_module().cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
 
 
 def _resident_blocks(threads: int, num_regs: int) -> int:
@@ -357,7 +308,8 @@ def _resident_blocks(threads: int, num_regs: int) -> int:
     return max(1, min(32, 64 // warps, 65536 // (regs_per_warp * warps)))
 
 
-def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, num_regs: int):
+def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, num_regs: int,
+                    multiprocessors: int | None = None):
     """(block, grid) for a plan.
 
     x: lanes over the chunks of pairs of a head (out of place, the same lanes then copy the
@@ -375,6 +327,8 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     # of the copied dims (a copy is a load and a store, like a rotated access).
     accesses_per_head = (1 if plan.interleaved else 2) * -(-chunks // lanes) + pass_chunks / lanes
     num_heads = max(1, plan.num_q_heads + plan.num_k_heads)
+    if multiprocessors is None:
+        multiprocessors = _multiprocessors(plan.device)
     best = None
     for heads_per_thread in HEADS_PER_THREAD:
         throughput = _throughput(heads_per_thread * accesses_per_head / 2)
@@ -385,7 +339,7 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
         grid_x = -(-plan.num_tokens // tokens)
         threads = lanes * block_y * tokens
         slots_per_sm = _resident_blocks(threads, num_regs)
-        waves = grid_x * grid_y / (slots_per_sm * _multiprocessors(plan.device))
+        waves = grid_x * grid_y / (slots_per_sm * multiprocessors)
         score = (waves / -(-waves // 1)) ** 0.5 * throughput
         if heads_per_thread == 1 and waves <= 0.5:
             score = float("inf")  # a decode step: latency, not bandwidth, decides (H200: T = 1, 32)

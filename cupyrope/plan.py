@@ -10,11 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .arrays import ArrayInfo, describe, host_view
+from .abi import AngleSource
+from .arrays import ArrayInfo, describe, to_host
 from .dtypes import FLOAT_DTYPES, POSITION_DTYPES
-from .frequencies import check_theta, compute_frequencies, rotary_dim_for
-from .kernels import AngleSource
-from .schedules import MROPE_NONE, mrope_layout
+from .mrope import MROPE_NONE, mrope_layout
+from .scaling import as_dict
+from .schedules import compute_frequencies, rotary_dim_for
+from .validators import check_bool, check_rotary_dim, check_theta, is_integer
 
 
 @dataclass
@@ -62,11 +64,15 @@ class RopePlan:
     def table(self) -> ArrayInfo | None:
         return self.cache if self.cache is not None else self.cos
 
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to rotate: no tokens or no heads (the call returns without a launch)."""
+        return self.num_tokens == 0 or self.num_q_heads + self.num_k_heads == 0
 
-def _bool(value, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"apply_rope: {name} must be a bool, got {type(value).__name__}")
-    return bool(value)
+
+def _describe(x, name: str) -> ArrayInfo:
+    """An argument's ArrayInfo (routes that describe arrays themselves pass ArrayInfos)."""
+    return x if isinstance(x, ArrayInfo) else describe(x, name)
 
 
 def _broadcast_strides(info: ArrayInfo, shape: tuple[int, ...], target: tuple[int, ...],
@@ -132,19 +138,25 @@ def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=No
               theta=10000.0, scaling=None, interleaved=False, rotary_dim=None, inverse=False,
               inplace=False, seq_len=None) -> RopePlan:
     """Check every argument of :func:`cupyrope.apply_rope`; see it for their meaning."""
-    interleaved = _bool(interleaved, "interleaved")
-    inverse = _bool(inverse, "inverse")
-    inplace = _bool(inplace, "inplace")
+    interleaved = check_bool(interleaved, "interleaved")
+    inverse = check_bool(inverse, "inverse")
+    inplace = check_bool(inplace, "inplace")
+    scaling = as_dict(scaling)
 
-    qi = describe(q, "q")
+    qi = _describe(q, "q")
     _check_rotated(qi, "q")
     token_shape = qi.shape[:-2]
     head_dim = qi.shape[-1]
 
     ki = None
     if k is not None:
-        ki = describe(k, "k")
+        ki = _describe(k, "k")
         _check_rotated(ki, "k")
+        if ki.kind != qi.kind:
+            raise TypeError(
+                f"apply_rope: k is a {ki.kind} array but q is a {qi.kind} array; pass q and k as "
+                "one array type (results come back as that type)"
+            )
         _check_same_device(ki, qi, "k")
         if ki.dtype != qi.dtype:
             raise TypeError(f"apply_rope: k must have q's dtype {qi.dtype}, got {ki.dtype}")
@@ -168,7 +180,7 @@ def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=No
         raise ValueError("apply_rope: cos and sin must be given together")
 
     if rotary_dim is not None:
-        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, np.integer)):
+        if not is_integer(rotary_dim):
             raise TypeError(f"apply_rope: rotary_dim must be an int, got {type(rotary_dim).__name__}")
         rotary_dim = int(rotary_dim)
 
@@ -184,10 +196,10 @@ def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=No
                 "apply_rope: M-RoPE (scaling['mrope_section']) needs [3, ...] positions: it applies "
                 "to angles computed from theta and to a cos_sin_cache, not to cos/sin tables"
             )
-        plan = _plan_token_tables(plan_args, describe(cos, "cos"), describe(sin, "sin"), rotary_dim)
+        plan = _plan_token_tables(plan_args, _describe(cos, "cos"), _describe(sin, "sin"), rotary_dim)
     else:
         rotary_dim, source_args = (
-            _plan_cache(describe(cos_sin_cache, "cos_sin_cache"), qi, rotary_dim)
+            _plan_cache(_describe(cos_sin_cache, "cos_sin_cache"), qi, rotary_dim)
             if cos_sin_cache is not None
             else _plan_computed(theta, scaling, seq_len, rotary_dim, head_dim)
         )
@@ -197,16 +209,8 @@ def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=No
             plan.mrope_mode, plan.mrope_sections = mrope_layout(scaling, rotary_dim, "apply_rope")
         _plan_positions(plan, positions)
 
-    _check_rotary_dim(plan.rotary_dim, head_dim)
+    check_rotary_dim(plan.rotary_dim, "apply_rope", head_dim)
     return plan
-
-
-def _check_rotary_dim(rotary_dim: int, head_dim: int) -> None:
-    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(
-            f"apply_rope: rotary_dim must be even with 2 <= rotary_dim <= head_dim ({head_dim}), "
-            f"got {rotary_dim}"
-        )
 
 
 def _plan_cache(cache: ArrayInfo, q: ArrayInfo, rotary_dim):
@@ -240,7 +244,7 @@ def _plan_computed(theta, scaling, seq_len, rotary_dim, head_dim):
     check_theta(theta, "apply_rope")
     # head_dim, or int(head_dim * partial_rotary_factor) when scaling has one (Hugging Face's dim)
     rotary_dim = rotary_dim_for(head_dim, scaling, rotary_dim, "apply_rope")
-    _check_rotary_dim(rotary_dim, head_dim)
+    check_rotary_dim(rotary_dim, "apply_rope", head_dim)
     inv_freq, attention_factor = compute_frequencies(rotary_dim, theta=theta, scaling=scaling,
                                                      seq_len=seq_len, where="apply_rope")
     return rotary_dim, dict(source=AngleSource.COMPUTED, inv_freq=inv_freq,
@@ -256,7 +260,7 @@ def _plan_positions(plan: RopePlan, positions) -> None:
         plan.positions_strides = tuple(1 if i == len(token_shape) - 1 else 0
                                        for i in range(len(token_shape)))
         return
-    info = describe(positions, "positions")
+    info = _describe(positions, "positions")
     if info.dtype not in POSITION_DTYPES:
         raise TypeError(f"apply_rope: positions must be int32 or int64, got {info.dtype}")
     _check_same_device(info, plan.q, "positions")
@@ -312,8 +316,17 @@ def _plan_token_tables(plan_args: dict, cos: ArrayInfo, sin: ArrayInfo, rotary_d
     return plan
 
 
-def check_positions_in_cache(plan: RopePlan) -> None:
-    """validate=True: positions outside the cache raise IndexError (a host read of positions)."""
+def check_values(plan: RopePlan) -> None:
+    """``validate=True``: the checks that read values on the host (they synchronise).
+
+    - Cache source: positions outside the cache raise IndexError.
+    - Full-width per-token tables: the kernels read one entry per pair (NeoX: the first half,
+      interleaved: the even entries), so tables whose halves (pairs) differ raise ValueError
+      instead of rotating silently by the first half only.
+    """
+    if plan.source == AngleSource.TOKEN_TABLES:
+        _check_full_width_repeats(plan)
+        return
     if plan.source != AngleSource.CACHE_TABLE:
         return
     max_position = plan.cache.shape[0]
@@ -323,7 +336,7 @@ def check_positions_in_cache(plan: RopePlan) -> None:
         if plan.num_tokens == 0:
             return
     else:
-        values = _host_values(plan.positions)
+        values = to_host(plan.positions)
         if values.size == 0:
             return
         lo, hi = int(values.min()), int(values.max())
@@ -334,9 +347,20 @@ def check_positions_in_cache(plan: RopePlan) -> None:
         )
 
 
-def _host_values(info: ArrayInfo) -> np.ndarray:
-    if not info.on_gpu:
-        return np.asarray(host_view(info))
-    if info.kind == "torch":
-        return info.obj.detach().cpu().numpy()
-    return info.view.get()
+def _check_full_width_repeats(plan: RopePlan) -> None:
+    width = plan.cos.shape[-1]
+    if width != plan.rotary_dim:  # half-width tables: one entry per pair, nothing repeated
+        return
+    for info, name in ((plan.cos, "cos"), (plan.sin, "sin")):
+        values = to_host(info)
+        if plan.interleaved:
+            first, second, how = values[..., 0::2], values[..., 1::2], "entries 2j and 2j + 1"
+        else:
+            half = width // 2
+            first, second, how = values[..., :half], values[..., half:], "its two halves"
+        if not np.array_equal(first, second, equal_nan=True):
+            raise ValueError(
+                f"apply_rope: {name} is rotary_dim ({width}) wide, so {how} must be equal (the "
+                "Hugging Face layout repeats each angle); they differ. Pass rotary_dim // 2-wide "
+                "tables with one entry per pair"
+            )

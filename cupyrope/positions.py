@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import describe, host_view
-from .frequencies import _place_like
+from .arrays import describe, place_like, to_host
+from .validators import check_int
 
 
 def varlen_positions(cu_seqlens, offsets=None):
@@ -39,7 +39,7 @@ def varlen_positions(cu_seqlens, offsets=None):
         raise TypeError(f"varlen_positions: cu_seqlens must be int32 or int64, got {info.dtype}")
     if info.ndim != 1 or info.shape[0] < 1:
         raise ValueError(f"varlen_positions: cu_seqlens must have shape (B + 1,), got {info.shape}")
-    bounds = _to_host(info).astype(np.int64)
+    bounds = to_host(info).astype(np.int64)
     lengths = np.diff(bounds)
     if bounds[0] != 0 or (lengths < 0).any():
         raise ValueError(
@@ -55,17 +55,11 @@ def varlen_positions(cu_seqlens, offsets=None):
                 f"varlen_positions: offsets must have shape ({len(lengths)},) to match cu_seqlens, "
                 f"got {offsets_info.shape}"
             )
-        starts = _to_host(offsets_info).astype(np.int64)
+        starts = to_host(offsets_info).astype(np.int64)
     # Position of row t in sequence i: starts[i] + (t - bounds[i]).
     sequence = np.repeat(np.arange(len(lengths)), lengths)
     positions = (np.arange(bounds[-1], dtype=np.int64) - bounds[sequence] + starts[sequence])
-    return _place_like(positions.astype(info.dtype), cu_seqlens if info.kind != "numpy" else None)
-
-
-def _to_host(info) -> np.ndarray:
-    if info.on_gpu:
-        return info.view.get() if info.view is not None else info.obj.cpu().numpy()
-    return np.asarray(host_view(info))
+    return place_like(positions.astype(info.dtype), cu_seqlens if info.kind != "numpy" else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,17 +68,9 @@ def _to_host(info) -> np.ndarray:
 TE_FORMATS = ("sbhd", "bshd", "thd")
 
 
-def _int(value, name: str, where: str, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_cp(cp_size, cp_rank, where: str) -> tuple[int, int]:
-    cp_size = _int(cp_size, "cp_size", where, minimum=1)
-    cp_rank = _int(cp_rank, "cp_rank", where, minimum=0)
+    cp_size = check_int(cp_size, "cp_size", where, minimum=1)
+    cp_rank = check_int(cp_rank, "cp_rank", where, minimum=0)
     if cp_rank >= cp_size:
         raise ValueError(f"{where}: cp_rank must be < cp_size ({cp_size}), got {cp_rank}")
     return cp_size, cp_rank
@@ -94,7 +80,7 @@ def _host_ints(x, name: str, where: str):
     info = describe(x, name)
     if info.dtype not in ("int32", "int64"):
         raise TypeError(f"{where}: {name} must be int32 or int64, got {info.dtype}")
-    return info, _to_host(info).astype(np.int64)
+    return info, to_host(info).astype(np.int64)
 
 
 def _cp_rank_positions(lengths: np.ndarray, cp_size: int, cp_rank: int) -> np.ndarray:
@@ -109,9 +95,16 @@ def _cp_rank_positions(lengths: np.ndarray, cp_size: int, cp_rank: int) -> np.nd
     row = np.arange(int(local.sum()), dtype=np.int64) - np.repeat(np.cumsum(local) - local, local)
     if cp_size == 1:
         return row
-    c = (lengths // (2 * cp_size))[sequence]
-    first = row < c
-    return np.where(first, cp_rank * c + row, (2 * cp_size - 1 - cp_rank) * c + (row - c))
+    return load_balanced_positions(row, (lengths // (2 * cp_size))[sequence], cp_size, cp_rank,
+                                   np.where)
+
+
+def load_balanced_positions(row, chunk, cp_size: int, cp_rank: int, where):
+    """True positions of the rows ``row`` (0-based within a sequence's share on this rank) whose
+    sequences are cut into chunks of ``chunk`` rows: rank ``r`` holds chunk ``r``, then chunk
+    ``2 * cp_size - 1 - r``. Element-wise on NumPy arrays or torch tensors (``where`` is
+    ``np.where`` or ``torch.where``), so that the torch adapters compute it on the device."""
+    return where(row < chunk, cp_rank * chunk + row, (2 * cp_size - 1 - cp_rank) * chunk + row - chunk)
 
 
 def context_parallel_positions(cu_seqlens, cp_size, cp_rank, *, offsets=None):
@@ -168,7 +161,7 @@ def context_parallel_positions(cu_seqlens, cp_size, cp_rank, *, offsets=None):
                 f"got {offsets_info.shape}"
             )
         positions = positions + np.repeat(starts, lengths // cp_size)
-    return _place_like(positions.astype(info.dtype), cu_seqlens if info.kind != "numpy" else None)
+    return place_like(positions.astype(info.dtype), cu_seqlens if info.kind != "numpy" else None)
 
 
 def te_positions(t, tensor_format="sbhd", *, cu_seqlens=None, start_positions=None, cp_size=1,
@@ -259,4 +252,4 @@ def te_positions(t, tensor_format="sbhd", *, cu_seqlens=None, start_positions=No
             positions = positions[:, None]
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     info = describe(t, "t")
-    return _place_like(positions, t if info.kind != "numpy" else None)
+    return place_like(positions, t if info.kind != "numpy" else None)

@@ -43,6 +43,9 @@ from typing import Any
 
 import numpy as np
 
+from .mrope import mrope_layout
+from .validators import check_rotary_dim, check_seq_len, check_theta
+
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 # Legacy names: Phi-3's first configs called LongRoPE "su".
 _ALIASES = {"su": "longrope"}
@@ -67,38 +70,7 @@ _SCHEDULE_KEYS = {
 
 
 # ---------------------------------------------------------------------------------------------------
-# argument checks shared with frequencies.py and plan.py
-
-
-def check_rotary_dim(rotary_dim, where: str) -> int:
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, np.integer)):
-        raise TypeError(f"{where}: rotary_dim must be an int, got {type(rotary_dim).__name__}")
-    rotary_dim = int(rotary_dim)
-    if rotary_dim < 2 or rotary_dim % 2:
-        raise ValueError(f"{where}: rotary_dim must be even and >= 2, got {rotary_dim}")
-    return rotary_dim
-
-
-def check_theta(theta, where: str, name: str = "theta") -> float:
-    if isinstance(theta, bool):
-        raise TypeError(f"{where}: {name} must be a number, got bool")
-    try:
-        value = float(theta)
-    except (TypeError, ValueError):
-        raise TypeError(f"{where}: {name} must be a number, got {type(theta).__name__}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{where}: {name} must be finite and > 0, got {theta!r}")
-    return value
-
-
-def check_seq_len(seq_len, where: str) -> int | None:
-    if seq_len is None:
-        return None
-    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)):
-        raise TypeError(f"{where}: seq_len must be None or an int, got {type(seq_len).__name__}")
-    if seq_len < 0:
-        raise ValueError(f"{where}: seq_len must be >= 0, got {seq_len}")
-    return int(seq_len)
+# the dict's own checks
 
 
 def scaling_type(scaling: Mapping[str, Any] | None, where: str) -> str:
@@ -487,52 +459,3 @@ def compute_frequencies(rotary_dim, *, theta=DEFAULT_THETA, scaling=None, seq_le
             f"factor that is not > 0 ({attention_factor!r}); check the values of scaling"
         )
     return inv_freq, attention_factor
-
-
-# M-RoPE (multimodal RoPE): positions carry 3 components (temporal, height, width) and each
-# frequency takes its angle from one of them.
-MROPE_NONE, MROPE_SECTIONED, MROPE_INTERLEAVED = 0, 1, 2
-
-
-def mrope_layout(scaling: Mapping[str, Any] | None, rotary_dim: int, where: str):
-    """``(mode, sections)`` of a dict's M-RoPE, or ``(MROPE_NONE, None)`` without ``mrope_section``.
-
-    Sectioned (Qwen2-VL, Qwen2.5-VL): frequencies ``[0, s0)`` take the temporal position,
-    ``[s0, s0 + s1)`` the height, the rest the width. Interleaved (Qwen3-VL, ``mrope_interleaved``
-    true): frequency ``j`` takes the height when ``j % 3 == 1 and j < 3 * s1``, the width when
-    ``j % 3 == 2 and j < 3 * s2``, else the temporal position. As in Hugging Face, the sections
-    count frequencies (pairs) and add up to ``rotary_dim // 2``.
-    """
-    if not scaling or scaling.get("mrope_section") is None:
-        if scaling and scaling.get("mrope_interleaved"):
-            raise ValueError(f"{where}: scaling['mrope_interleaved'] needs an 'mrope_section'")
-        return MROPE_NONE, None
-    sections = scaling["mrope_section"]
-    if (isinstance(sections, (str, bytes)) or not hasattr(sections, "__len__") or len(sections) != 3
-            or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0
-                   for v in sections)):
-        raise ValueError(
-            f"{where}: scaling['mrope_section'] must be 3 non-negative ints (temporal, height, width "
-            f"frequencies), got {sections!r}"
-        )
-    sections = tuple(int(v) for v in sections)
-    if sum(sections) != rotary_dim // 2:
-        raise ValueError(
-            f"{where}: scaling['mrope_section'] {list(sections)} must add up to rotary_dim // 2 = "
-            f"{rotary_dim // 2} frequencies, got {sum(sections)}"
-        )
-    interleaved = scaling.get("mrope_interleaved", False)
-    if not isinstance(interleaved, (bool, np.bool_)):
-        raise TypeError(f"{where}: scaling['mrope_interleaved'] must be a bool, got {interleaved!r}")
-    return (MROPE_INTERLEAVED if interleaved else MROPE_SECTIONED), sections
-
-
-def mrope_components(mode: int, sections, half: int) -> np.ndarray:
-    """The position component (0 temporal, 1 height, 2 width) of each of ``half`` frequencies."""
-    j = np.arange(half)
-    if mode == MROPE_SECTIONED:
-        return np.searchsorted(np.cumsum(sections), j, side="right")
-    component = np.zeros(half, dtype=np.int64)
-    component[(j % 3 == 1) & (j < 3 * sections[1])] = 1
-    component[(j % 3 == 2) & (j < 3 * sections[2])] = 2
-    return component

@@ -9,12 +9,12 @@ Tensor? cos, Tensor? sin, float theta, str? scaling, float[]? scaling_numbers, b
 SymInt? rotary_dim, bool inverse, SymInt? seq_len, bool validate) -> (Tensor, Tensor)``
     Out of place: new contiguous ``q_out`` and ``k_out`` (an empty placeholder of shape ``(0,)``
     when k is None: custom ops cannot return None). A dict is not an operator argument: the
-    Hugging Face rope_scaling dict travels as its keys and kinds (``scaling``, text) and its
-    numbers (``scaling_numbers``), see :func:`encode_scaling`. Differentiable in q and k.
+    Hugging Face rope_scaling dict travels as a text (``scaling``) and its numbers
+    (``scaling_numbers``), see :func:`cupyrope.scaling.scaling_op_args`. Differentiable in q and k.
 ``torch.ops.cupyrope.apply_rope_(Tensor(a!) q, Tensor(b!)? k, ...) -> ()``
     In place (a mutating op: torch.compile functionalises it and re-inplaces it).
 
-Both run the same code as every other call (``cupyrope.api``): the CUDA kernels on torch's
+Both run the same code as every other call (:func:`cupyrope.execute.run`): the CUDA kernels on torch's
 current stream for CUDA tensors, the NumPy path for CPU tensors. Their fake (meta) implementations
 give torch.compile the output shapes without running anything, so ``torch.compile(fullgraph=True)``
 traces ``apply_rope`` with no graph break, in the ``"default"`` and ``"reduce-overhead"`` (CUDA
@@ -42,11 +42,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from . import api
+from . import execute
+from .scaling import scaling_from_op_args, scaling_op_args
+from .validators import check_bool, check_int, check_real
 
 NAMESPACE = "cupyrope"
 _HAS_CUSTOM_OPS = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_fake")
@@ -88,13 +89,13 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     for value, name in zip(tables, _TABLE_ARGS):
         if value is not None:
             _check_tensor(value, name)
-    interleaved = _flag(interleaved, "interleaved")
-    inverse = _flag(inverse, "inverse")
-    inplace = _flag(inplace, "inplace")
-    validate = _flag(validate, "validate")
+    interleaved = check_bool(interleaved, "interleaved")
+    inverse = check_bool(inverse, "inverse")
+    inplace = check_bool(inplace, "inplace")
+    validate = check_bool(validate, "validate")
     rotary_dim = _optional_int(rotary_dim, "rotary_dim")
     seq_len = _optional_int(seq_len, "seq_len")
-    options = (_number(theta, "theta"), *encode_scaling(scaling), interleaved, rotary_dim,
+    options = (_number(theta, "theta"), *scaling_op_args(scaling), interleaved, rotary_dim,
                inverse, seq_len, validate)
 
     if not inplace:
@@ -135,30 +136,18 @@ def _check_tensor(x, name: str) -> None:
         )
 
 
-def _flag(value, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"apply_rope: {name} must be a bool, got {type(value).__name__}")
-    return bool(value)
-
-
-def _number(value, name: str) -> float:
-    """A float for the schema; its range (finite, > 0) is checked where the call runs."""
-    if isinstance(value, bool):
-        raise TypeError(f"apply_rope: {name} must be a number, got bool")
-    if isinstance(value, (float, int)):
+def _number(value, name: str):
+    """A float for the schema (a symbolic float under torch.compile stays as it is); its range
+    (finite, > 0) is checked where the call runs."""
+    if isinstance(value, torch.SymFloat):
         return value
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"apply_rope: {name} must be a number, got {type(value).__name__}") from None
+    return check_real(value, name, "apply_rope")
 
 
 def _optional_int(value, name: str):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer, torch.SymInt)):
-        raise TypeError(f"apply_rope: {name} must be an int, got {type(value).__name__}")
-    return value if isinstance(value, (int, torch.SymInt)) else int(value)
+    if value is None or isinstance(value, torch.SymInt):
+        return value
+    return check_int(value, name, "apply_rope")
 
 
 def _check_inplace_autograd(x, name: str) -> None:
@@ -179,84 +168,19 @@ def _check_inplace_autograd(x, name: str) -> None:
         )
 
 
-# A rope_scaling dict as operator arguments: one line per key, ``key<US>kind[<US>text]`` joined by
-# <RS>, and the numbers in order. Written with the few Python operations torch.compile traces
-# without a graph break (under dynamic=True the dict's numbers may be symbolic: they go into the
-# float list, never into text).
-_KEY_SEP, _LINE_SEP = "\x1f", "\x1e"
-
-
-def encode_scaling(scaling):
-    """(spec text, numbers) for a rope_scaling dict, (None, None) for None; inverse of
-    :func:`decode_scaling`. Values may be str, bool, int, float, None or lists of numbers."""
-    if scaling is None:
-        return None, None
-    if not isinstance(scaling, dict):
-        raise TypeError(
-            "apply_rope: scaling must be None or a Hugging Face rope_scaling dict, "
-            f"got {type(scaling).__name__}"
-        )
-    lines, numbers = [], []
-    for key, value in scaling.items():
-        if not isinstance(key, str) or _KEY_SEP in key or _LINE_SEP in key:
-            raise TypeError(f"apply_rope: scaling keys must be plain strings, got {key!r}")
-        head = key + _KEY_SEP
-        if value is None:
-            lines.append(head + "none")
-        elif isinstance(value, str):
-            lines.append(head + "str" + _KEY_SEP + value)
-        elif isinstance(value, (bool, np.bool_)):
-            lines.append(head + ("true" if value else "false"))
-        elif isinstance(value, (list, tuple)):
-            kind = "ints" if all(isinstance(e, (int, np.integer)) and not isinstance(e, bool)
-                                 for e in value) else "floats"
-            lines.append(head + kind + _KEY_SEP + str(len(value)))
-            for element in value:
-                numbers.append(_number(element, f"scaling[{key!r}]"))
-        elif isinstance(value, (int, np.integer)):
-            lines.append(head + "int")
-            numbers.append(float(value))
-        else:
-            lines.append(head + "float")
-            numbers.append(_number(value, f"scaling[{key!r}]"))
-    return _LINE_SEP.join(lines), numbers
-
-
-def decode_scaling(spec, numbers):
-    """The rope_scaling dict that :func:`encode_scaling` turned into ``(spec, numbers)``."""
-    if spec is None:
-        return None
-    scaling, values = {}, iter(numbers or ())
-    for line in spec.split(_LINE_SEP) if spec else ():
-        key, kind, *rest = line.split(_KEY_SEP)
-        if kind == "none":
-            scaling[key] = None
-        elif kind == "str":
-            scaling[key] = rest[0]
-        elif kind in ("true", "false"):
-            scaling[key] = kind == "true"
-        elif kind in ("ints", "floats"):
-            items = [next(values) for _ in range(int(rest[0]))]
-            scaling[key] = [int(round(v)) for v in items] if kind == "ints" else items
-        elif kind == "int":
-            scaling[key] = int(round(next(values)))
-        else:
-            scaling[key] = next(values)
-    return scaling
-
-
 # ----------------------------------------------------------------------------------------------
 # The operators
 
 
 def _run(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, scaling_numbers, interleaved,
          rotary_dim, inverse, seq_len, validate, inplace):
-    """One call of the array machinery on detached tensors (no routing back into the ops)."""
+    """One call of the shared execution path on detached tensors (no routing back into the ops)."""
     q = q.detach()
     k = None if k is None else k.detach()
-    return api._rotate(q, k, positions, cos_sin_cache, cos, sin, theta,
-                       decode_scaling(scaling, scaling_numbers), interleaved, rotary_dim, inverse,
-                       inplace, validate, seq_len)
+    return execute.run(q, k, positions, cos_sin_cache, cos, sin, theta=theta,
+                       scaling=scaling_from_op_args(scaling, scaling_numbers),
+                       interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
+                       inplace=inplace, validate=validate, seq_len=seq_len)
 
 
 def _empty_k(q: Tensor) -> Tensor:

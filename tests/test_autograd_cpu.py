@@ -331,12 +331,12 @@ def _op_args(source, dtype, with_k, interleaved, rng, randn):
     T, D, r = 4, 8, 6
     lib, _, _, _ = angle_call(source, (T,), r, interleaved=interleaved, rng=rng,
                               table_dtype="float32")
-    from cupyrope.torch_ops import encode_scaling
+    from cupyrope.scaling import scaling_op_args
 
     q = to_torch(randn((T, 2, D), dtype))
     k = to_torch(randn((T, 1, D), dtype)) if with_k else None
     return (q, k, lib.get("positions"), lib.get("cos_sin_cache"), lib.get("cos"), lib.get("sin"),
-            THETA, *encode_scaling(lib.get("scaling")), interleaved, lib.get("rotary_dim", r),
+            THETA, *scaling_op_args(lib.get("scaling")), interleaved, lib.get("rotary_dim", r),
             False, None, False)
 
 

@@ -162,8 +162,8 @@ def test_patch_hf_model_same_logits_and_gradients(model_name, config_name, extra
         model.zero_grad()
         if patched:
             calls = []
-            real = compat.apply_rope
-            monkeypatch.setattr(compat, "apply_rope", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+            real = compat.hf.apply_rope
+            monkeypatch.setattr(compat.hf, "apply_rope", lambda *a, **kw: calls.append(1) or real(*a, **kw))
             with compat.patch_hf_model(model) as patch:
                 assert patch.modules == [module.__name__]
                 assert module.apply_rotary_pos_emb is compat.hf_apply_rotary_pos_emb
@@ -504,7 +504,7 @@ def test_context_parallel_positions_torch_and_errors():
 def test_te_positions_host_equals_device_and_rotates_like_te(case):
     t, kwargs = te_input(case, torch.float64)
     host = te_positions(t, **kwargs)
-    device = compat._te_positions_on_device(t, kwargs["tensor_format"], kwargs.get("cu_seqlens"),
+    device = compat.te._te_positions_on_device(t, kwargs["tensor_format"], kwargs.get("cu_seqlens"),
                                             kwargs.get("start_positions"), kwargs.get("cp_size", 1),
                                             kwargs.get("cp_rank", 0))
     assert isinstance(host, torch.Tensor) and host.dtype == torch.int64

@@ -270,16 +270,17 @@ def test_dtypes_and_angle_sources(rng, dtype, source, interleaved):
 def test_lean_and_general_kernels(rng, monkeypatch, lean, dtype, source, interleaved, inplace):
     """The common case runs the lean kernel; the general kernel, forced onto the same case, gives
     results within the same bounds (it is the one every other layout takes)."""
-    from cupyrope import api, launch
+    from cupyrope import launch
+    from cupyrope.recipes import recipes
 
     if not lean:
         monkeypatch.setattr(launch, "lean_kernel_applies", lambda *args, **kwargs: False)
-    monkeypatch.setattr(api, "_recipes", {})
+    recipes.clear()
     q, k = make_qk(rng, dtype)
     positions = random_positions(rng, (T,))
     angles = make_angles(source, q.shape, positions, D, q=q, interleaved=interleaved)
     rope_and_check(q, k, angles, rotary_dim=D, interleaved=interleaved, inplace=inplace)
-    (recipe,) = api._recipes.values()
+    (recipe,) = recipes.values()
     # Interleaved full-width (HF) tables repeat each angle twice: every other entry is read, a
     # strided row that only the general kernel loads.
     assert recipe.spec.lean is (lean and not (source == "tables_full" and interleaved))

@@ -172,7 +172,7 @@ def test_inplace_autograd_on_projection_views(torch, dtype, rng):
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 @pytest.mark.parametrize("source", ["cache", "tables_full", "computed_linear"])
 def test_opcheck_cuda(torch, dtype, source, rng):
-    from cupyrope.torch_ops import encode_scaling
+    from cupyrope.scaling import scaling_op_args
 
     T, D = 9, 64
     lib, _, _, _ = angle_call(source, (T,), D, interleaved=False, rng=rng, device=DEVICE,
@@ -181,7 +181,7 @@ def test_opcheck_cuda(torch, dtype, source, rng):
     q = torch.randn(T, 4, D, device=DEVICE, dtype=torch_dtype)
     k = torch.randn(T, 2, D, device=DEVICE, dtype=torch_dtype)
     rest = (lib.get("positions"), lib.get("cos_sin_cache"), lib.get("cos"), lib.get("sin"), 10000.0,
-            *encode_scaling(lib.get("scaling")), False, lib.get("rotary_dim"), False, None, False)
+            *scaling_op_args(lib.get("scaling")), False, lib.get("rotary_dim"), False, None, False)
     op, op_ = torch.ops.cupyrope.apply_rope.default, torch.ops.cupyrope.apply_rope_.default
     torch.library.opcheck(op, (q, k) + rest)
     torch.library.opcheck(op, (q.clone().requires_grad_(dtype != "bfloat16"), None) + rest)

@@ -84,7 +84,8 @@ def test_lean_kernel_takes_the_common_case_only():
 
 
 def test_shared_angle_bytes_only_for_lean_computed_angles():
-    from cupyrope.kernels import AngleSource, KernelSpec
+    from cupyrope.abi import AngleSource
+    from cupyrope.kernels import KernelSpec
 
     q = np.zeros((16, 4, 128), dtype=np.float32)
     plan = plan_rope(q, None, np.arange(16))

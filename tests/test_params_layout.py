@@ -3,7 +3,7 @@
 import pytest
 
 from cupyrope import kernels
-from cupyrope.launch import MAX_TOKEN_DIMS, PARAMS_DTYPE
+from cupyrope.abi import MAX_TOKEN_DIMS, PARAMS_DTYPE
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 

@@ -3,16 +3,16 @@ of an option or of an array's layout changes the key (no GPU needed: keys from f
 
 import pytest
 
-from cupyrope import api
+from cupyrope import recipes
 
 
 class _Fake:
-    """Stands in for a CUDA array: _recipe_key only reads metadata through gpu_array_key."""
+    """Stands in for a CUDA array: call_key only reads metadata through gpu_array_key."""
 
 
 @pytest.fixture(autouse=True)
 def fake_gpu_arrays(monkeypatch):
-    monkeypatch.setattr(api, "gpu_array_key",
+    monkeypatch.setattr(recipes, "gpu_array_key",
                         lambda x: ((x.shape, x.strides, "bfloat16", 0, 0), 4096 * id(x) % 2**40))
 
 
@@ -24,7 +24,7 @@ def _array(shape, strides):
 
 def _key(q, scaling=None, interleaved=False):
     options = (10000.0, scaling, interleaved, None, False, False, None)
-    return api._recipe_key(q, None, None, None, None, None, options)
+    return recipes.call_key(q, None, None, None, None, None, options)
 
 
 def test_list_valued_scaling_keys_hash_and_differ():

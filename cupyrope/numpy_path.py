@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .abi import AngleSource
 from .arrays import host_view
 from .dtypes import compute_dtype
 from .frequencies import cos_sin_table
-from .kernels import AngleSource
+from .mrope import MROPE_NONE, mrope_components
 from .plan import RopePlan
-from .schedules import MROPE_NONE, mrope_components
 
 
 def _token_view(table: np.ndarray, strides: tuple[int, ...], token_shape, columns) -> np.ndarray:

@@ -1,0 +1,87 @@
+"""The one execution path that every route shares: arrays in, a checked plan, the kernel launch (or
+the NumPy path on the CPU), results out.
+
+:func:`run` is what the eager call, the torch custom ops and the JAX callbacks all come down to. It
+tries the repeat-call path first (``cupyrope.recipes``: a launch replayed from an earlier call of
+the same layout), then checks and plans the call in full (``cupyrope.plan``), allocates outputs in
+the caller's array type (``cupyrope.arrays``) and rotates on the GPU (``cupyrope.launch``) or the
+host (``cupyrope.numpy_path``). Routing to a framework's own machinery (autograd, tracing) is
+decided once, by the caller of :func:`run`, through its ``router`` argument: nothing here imports
+a route.
+"""
+
+from __future__ import annotations
+
+from .arrays import ArrayInfo, describe, empty_like_caller, finish, host_view
+from .numpy_path import rotate_on_host
+from .plan import RopePlan, check_values, plan_rope
+from .recipes import call_key, recipes, replay
+
+
+def run(q, k, positions, cos_sin_cache, cos, sin, *, theta, scaling, interleaved, rotary_dim,
+        inverse, inplace, validate, seq_len, router=None):
+    """``apply_rope`` on arrays: the repeat-call path, then (if ``router`` sends the call nowhere
+    else) the full one. ``router(q, k, positions, cos_sin_cache, cos, sin)`` returns the module
+    whose ``apply_rope`` must take the call instead (autograd, tracing), or None."""
+    key = None
+    if not validate:
+        key = call_key(q, k, positions, cos_sin_cache, cos, sin,
+                       (theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len))
+        if key is not None:
+            recipe = recipes.get(key[0])
+            if recipe is not None:
+                result = replay(recipe, q, k, key[1], inplace)
+                if result is not None:
+                    return result
+
+    if router is not None:
+        route = router(q, k, positions, cos_sin_cache, cos, sin)
+        if route is not None:
+            return route.apply_rope(
+                q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
+                scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
+                inplace=inplace, validate=validate, seq_len=seq_len)
+
+    plan = plan_rope(q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
+                     scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim,
+                     inverse=inverse, inplace=inplace, seq_len=seq_len)
+    if validate:
+        check_values(plan)
+
+    inputs = [plan.q] + ([plan.k] if plan.k is not None else [])
+    if plan.inplace:
+        natives, outputs = [info.obj for info in inputs], inputs
+    else:
+        made = [empty_like_caller(info) for info in inputs]
+        natives, outputs = [m[0] for m in made], [m[1] for m in made]
+
+    recipe = rotate(plan, outputs)
+    if recipe is not None and key is not None:
+        recipes.put(key[0], recipe)
+
+    results = natives if plan.inplace else [finish(info, out) for info, out in zip(inputs, natives)]
+    return results[0] if plan.k is None else (results[0], results[1])
+
+
+def rotate(plan: RopePlan, outputs: list[ArrayInfo]):
+    """Rotate a checked plan into ``outputs`` (the inputs when in place): one kernel launch on the
+    GPU, the NumPy path on the host, nothing for an empty call. Returns the launch recipe of a GPU
+    launch (for repeat calls), else None."""
+    if plan.is_empty:
+        return None
+    if plan.q.on_gpu:
+        from .launch import rotate_on_gpu  # CuPy is imported with the first GPU call only
+
+        return rotate_on_gpu(plan, outputs)
+    rotate_on_host(plan, [host_view(info) for info in outputs])
+    return None
+
+
+def rotate_into(plan: RopePlan, outputs) -> None:
+    """Rotate a checked plan into output arrays a caller allocated (e.g. XLA's buffers)."""
+    rotate(plan, [describe(out, "output") for out in outputs])
+
+
+def clear() -> None:
+    """Forget the launch recipes of earlier calls."""
+    recipes.clear()

@@ -1,0 +1,158 @@
+"""Repeat calls: a launch reduced to filling in data pointers.
+
+A :class:`LaunchRecipe` is everything about a kernel launch except the data pointers. The first GPU
+call of a given layout plans it in full (``cupyrope.plan``, ``cupyrope.launch``) and keeps the
+recipe here, keyed on everything it depends on except the pointers: array types, shapes, strides,
+dtypes, devices and pointer alignment, and the options. A repeated call with that key skips
+argument checking and planning (the checks passed for exactly this metadata before) and only
+launches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+
+from .abi import PARAMS_DTYPE
+from .arrays import cupy_module, current_stream, gpu_array_key, new_gpu_outputs
+from .scaling import Scaling
+
+_ParamsWords = ctypes.c_uint64 * (PARAMS_DTYPE.itemsize // 8)
+_ArgumentPointers = ctypes.c_void_p * 1
+# The seven data pointers lead the struct, in this order: one pack_into writes them all.
+_DATA_POINTERS = struct.Struct("<7Q")
+assert [PARAMS_DTYPE.fields[name][1] for name in
+        ("q", "k", "q_out", "k_out", "positions", "cos", "sin")] == list(range(0, 56, 8))
+
+
+class LaunchRecipe:
+    """Everything about a launch except the data pointers, so that a repeated call with arrays of
+    the same shapes, strides, dtypes and alignment only fills in pointers and launches."""
+
+    __slots__ = ("function_ptr", "device", "grid", "block", "shared_bytes", "sin_offset", "vector",
+                 "keep_alive", "spec", "_words", "_argv_address", "_argv", "_lock", "_runtime", "_driver")
+
+    def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive,
+                 shared_bytes=0, spec=None):
+        self.function_ptr = function_ptr
+        self.device = device
+        self.grid = grid
+        self.block = block
+        self.shared_bytes = shared_bytes  # dynamic shared memory (lean computed angles)
+        self.sin_offset = sin_offset  # cache source: sin half = cache pointer + this many bytes
+        self.vector = vector
+        self.keep_alive = keep_alive  # device constants the parameters point at
+        self.spec = spec  # the KernelSpec launched (tests read it)
+        # The parameter block is reused: only its pointer fields change between calls, and
+        # cuLaunchKernel copies it before returning, so a lock around fill + launch suffices.
+        self._words = _ParamsWords.from_buffer_copy(params.tobytes())
+        # cuLaunchKernel takes an array of pointers, one per kernel argument: ours is the struct.
+        self._argv = _ArgumentPointers(ctypes.addressof(self._words))
+        self._argv_address = ctypes.addressof(self._argv)
+        self._lock = threading.Lock()
+        cupy = cupy_module()
+        self._runtime, self._driver = cupy.cuda.runtime, cupy.cuda.driver
+
+    def launch(self, like, q, k, q_out, k_out, positions, cos, sin) -> None:
+        """Launch on ``like``'s current stream with these data pointers (0 for absent ones)."""
+        if self.sin_offset is not None:
+            sin = cos + self.sin_offset
+        runtime = self._runtime
+        previous = runtime.getDevice()
+        switched = previous != self.device
+        if switched or self._driver.ctxGetCurrent() == 0:
+            runtime.setDevice(self.device)  # also makes the primary context current on a new thread
+        try:
+            stream = current_stream(like, self.device)
+            with self._lock:
+                _DATA_POINTERS.pack_into(self._words, 0, q, k, q_out, k_out, positions, cos, sin)
+                self._driver.launchKernel(self.function_ptr, *self.grid, 1, *self.block,
+                                          self.shared_bytes, stream, self._argv_address, 0)
+        finally:
+            if switched:
+                runtime.setDevice(previous)
+
+
+class RecipeCache:
+    """Launch recipes of earlier GPU calls, keyed by :func:`call_key`."""
+
+    MAX_RECIPES = 4096
+
+    def __init__(self):
+        self._recipes: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        return self._recipes.get(key)
+
+    def put(self, key, recipe: LaunchRecipe) -> None:
+        with self._lock:
+            if len(self._recipes) >= self.MAX_RECIPES:
+                self._recipes.clear()
+            self._recipes[key] = recipe
+
+    def clear(self) -> None:
+        with self._lock:
+            self._recipes.clear()
+
+    def __len__(self) -> int:
+        return len(self._recipes)
+
+    def values(self) -> list[LaunchRecipe]:
+        return list(self._recipes.values())
+
+
+recipes = RecipeCache()
+
+
+def call_key(q, k, positions, cos_sin_cache, cos, sin, options):
+    """(hashable key, data pointers) for a call on CUDA torch tensors / CuPy arrays, else None.
+
+    ``options`` is ``(theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len)`` as the
+    caller gave them; a call whose key cannot be formed (another array type, an unhashable
+    option) takes the full path.
+    """
+    metas, pointers = [], []
+    for x in (q, k, positions, cos_sin_cache, cos, sin):
+        if x is None:
+            metas.append(None)
+            pointers.append(0)
+            continue
+        found = gpu_array_key(x)
+        if found is None:
+            return None
+        metas.append(found[0])
+        pointers.append(found[1])
+    theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len = options
+    # Only exact bools: interleaved=1 must still reach the check that rejects it.
+    if not (type(interleaved) is bool and type(inverse) is bool and type(inplace) is bool):
+        return None
+    if scaling is not None:
+        try:
+            scaling = Scaling.from_dict(scaling)
+            hash(scaling)
+        except TypeError:
+            return None
+    same_qk = k is not None and pointers[1] == pointers[0]  # refused in place; must not be cached
+    key = (tuple(metas), type(theta), theta, scaling, interleaved, rotary_dim, inverse, inplace,
+           seq_len, same_qk)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable option (e.g. theta given as an array): full path
+        return None
+    return key, pointers
+
+
+def replay(recipe: LaunchRecipe, q, k, pointers, inplace: bool):
+    """Run a cached recipe on new arrays; None when the full path must decide instead."""
+    q_ptr, k_ptr, positions_ptr, cache_ptr, cos_ptr, sin_ptr = pointers
+    if inplace:
+        q_out, k_out, q_out_ptr, k_out_ptr = q, k, q_ptr, k_ptr
+    else:
+        q_out, q_out_ptr, k_out, k_out_ptr = new_gpu_outputs(q, k)
+        if recipe.vector and (q_out_ptr | k_out_ptr) & 15:
+            return None  # allocators align to 256 bytes; never expected, but never assumed
+    recipe.launch(q, q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr or cos_ptr,
+                  sin_ptr)
+    return q_out if k is None else (q_out, k_out)
