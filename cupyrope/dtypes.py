@@ -38,6 +38,20 @@ def dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
+def dtype_name_of(value) -> str | None:
+    """The canonical name of a dtype given as a string or as a NumPy, CuPy, ml_dtypes, JAX or torch
+    dtype object (``"float32"``, ``np.float32``, ``torch.bfloat16`` ...); None when it is none."""
+    if isinstance(value, str):
+        return value
+    if type(value).__module__.split(".", 1)[0] == "torch":  # torch.dtype prints as "torch.float32"
+        text = str(value)
+        return text[len("torch."):] if text.startswith("torch.") else None
+    try:
+        return np.dtype(value).name
+    except TypeError:
+        return None
+
+
 def compute_dtype(name: str) -> np.dtype:
     """Arithmetic happens in float32, or float64 for float64 arrays (as in the kernels)."""
     return np.dtype(np.float64 if name == "float64" else np.float32)

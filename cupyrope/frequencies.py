@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import place_like
-from .dtypes import FLOAT_DTYPES, round_once
+from .arrays import describe, place_like
+from .dtypes import FLOAT_DTYPES, dtype_name_of, round_once
 from .schedules import ROPE_TYPES, compute_frequencies, scaling_type
 
 __all__ = ["ROPE_TYPES", "cos_sin_cache", "cos_sin_table", "rope_frequencies", "scaling_type"]
@@ -100,7 +100,7 @@ def cos_sin_table(positions: np.ndarray, inv_freq: np.ndarray, attention_factor:
     return np.cos(angles) * attention_factor, np.sin(angles) * attention_factor
 
 
-def cos_sin_cache(max_position, rotary_dim, *, theta=10000.0, scaling=None, dtype="float32",
+def cos_sin_cache(max_position, rotary_dim, *, theta=10000.0, scaling=None, dtype=None,
                   like=None):
     """A vLLM/FlashInfer-layout cos/sin cache, computed in float64 and rounded once.
 
@@ -114,8 +114,10 @@ def cos_sin_cache(max_position, rotary_dim, *, theta=10000.0, scaling=None, dtyp
         As for :func:`rope_frequencies`. Length-dependent schedules take ``max_position`` as their
         ``seq_len`` (``dynamic`` scales to it; ``longrope`` uses its long factors for the whole
         cache when ``max_position > original_max_position_embeddings``).
-    dtype : str
-        ``"float32"`` (recommended), ``"float64"``, ``"float16"`` or ``"bfloat16"``.
+    dtype : str or dtype object, optional
+        ``"float32"`` (recommended), ``"float64"``, ``"float16"`` or ``"bfloat16"``, as a string or
+        a NumPy / CuPy / JAX / torch dtype. Default: float32, or float64 when ``like`` is float64
+        (a float64 rotation keeps float64 angles).
     like : array, optional
         The cache is returned as this array's type on its device (NumPy when None).
 
@@ -136,7 +138,11 @@ def cos_sin_cache(max_position, rotary_dim, *, theta=10000.0, scaling=None, dtyp
         raise TypeError(f"{where}: max_position must be an int, got {type(max_position).__name__}")
     if max_position < 0:
         raise ValueError(f"{where}: max_position must be >= 0, got {max_position}")
-    if dtype not in FLOAT_DTYPES:
+    if dtype is None:
+        dtype = "float64" if like is not None and describe(like, "like").dtype == "float64" else "float32"
+    elif dtype_name_of(dtype) in FLOAT_DTYPES:
+        dtype = dtype_name_of(dtype)
+    else:
         raise TypeError(f"{where}: dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
     # Length-dependent schedules (dynamic, longrope) see the cache's length as the sequence length.
     inv_freq, attention_factor = compute_frequencies(

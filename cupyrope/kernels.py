@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .abi import AngleSource
 from .arrays import cupy_module
-from .dtypes import CUDA_TYPE_NAMES, FLOAT_DTYPES
+from .dtypes import CUDA_TYPE_NAMES, FLOAT_DTYPES, dtype_name_of
 
 SOURCE_FILE = "rope.cu"
 
@@ -198,10 +198,18 @@ def warmup(
     """
     cupy = cupy_module()
     wanted_sources = {_as_source(s) for s in sources}
+    if isinstance(dtypes, str) or isinstance(table_dtypes, str):
+        raise TypeError("warmup: dtypes and table_dtypes are collections of dtypes, e.g. "
+                        "dtypes=('bfloat16',), not a single string")
+    named = {}
     for name, values in (("dtypes", dtypes), ("table_dtypes", table_dtypes)):
-        unknown = set(values) - set(FLOAT_DTYPES)
+        names = [dtype_name_of(v) for v in values]  # strings or NumPy / torch / JAX dtypes
+        unknown = [v for v, n in zip(values, names) if n not in FLOAT_DTYPES]
         if unknown:
-            raise ValueError(f"warmup: {name} must be among {FLOAT_DTYPES}, got {sorted(unknown)}")
+            raise ValueError(f"warmup: {name} must be among {FLOAT_DTYPES}, got "
+                             f"{sorted(map(str, unknown))}")
+        named[name] = set(names)
+    dtypes, table_dtypes = named["dtypes"], named["table_dtypes"]
     device_id = cupy.cuda.runtime.getDevice() if device is None else int(device)
     count = 0
     for spec in SPECIALISATIONS:
