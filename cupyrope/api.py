@@ -15,13 +15,21 @@ and launched by the same code.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from . import execute
 
+# Any array cupyrope takes: CuPy, torch, JAX, NumPy or another DLPack producer.
+Array = Any
 
-def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=None,
-               theta=10000.0, scaling=None, interleaved=False, rotary_dim=None, inverse=False,
-               inplace=False, validate=False, seq_len=None):
+
+def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None, *,
+               cos_sin_cache: Array | None = None, cos: Array | None = None,
+               sin: Array | None = None, theta: float = 10000.0,
+               scaling: Mapping[str, Any] | None = None, interleaved: bool = False,
+               rotary_dim: int | None = None, inverse: bool = False, inplace: bool = False,
+               validate: bool = False, seq_len: int | None = None) -> Array | tuple[Array, Array]:
     """Rotate q (and k) by Rotary Position Embedding angles, in one kernel launch.
 
     Parameters

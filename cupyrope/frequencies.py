@@ -8,6 +8,9 @@ an exact float64 angle and rounded once to the requested dtype, so they are accu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
 from .arrays import describe, place_like
@@ -17,7 +20,9 @@ from .schedules import ROPE_TYPES, compute_frequencies, scaling_type
 __all__ = ["ROPE_TYPES", "cos_sin_cache", "cos_sin_table", "rope_frequencies", "scaling_type"]
 
 
-def rope_frequencies(rotary_dim, *, theta=10000.0, scaling=None, seq_len=None):
+def rope_frequencies(rotary_dim: int, *, theta: float = 10000.0,
+                     scaling: Mapping[str, Any] | None = None,
+                     seq_len: int | None = None) -> tuple[np.ndarray, float]:
     """Inverse frequencies and attention factor of a RoPE schedule, in float64.
 
     The same numbers as Hugging Face's ``ROPE_INIT_FUNCTIONS`` (and the models' default schedule),
@@ -100,8 +105,9 @@ def cos_sin_table(positions: np.ndarray, inv_freq: np.ndarray, attention_factor:
     return np.cos(angles) * attention_factor, np.sin(angles) * attention_factor
 
 
-def cos_sin_cache(max_position, rotary_dim, *, theta=10000.0, scaling=None, dtype=None,
-                  like=None):
+def cos_sin_cache(max_position: int, rotary_dim: int, *, theta: float = 10000.0,
+                  scaling: Mapping[str, Any] | None = None, dtype: Any = None,
+                  like: Any = None) -> Any:
     """A vLLM/FlashInfer-layout cos/sin cache, computed in float64 and rounded once.
 
     Parameters

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from .arrays import describe, place_like, to_host
 from .validators import check_int
 
 
-def varlen_positions(cu_seqlens, offsets=None):
+def varlen_positions(cu_seqlens: Any, offsets: Any = None) -> Any:
     """Positions of a packed ``[T, H, D]`` batch.
 
     Parameters
@@ -107,7 +109,8 @@ def load_balanced_positions(row, chunk, cp_size: int, cp_rank: int, where):
     return where(row < chunk, cp_rank * chunk + row, (2 * cp_size - 1 - cp_rank) * chunk + row - chunk)
 
 
-def context_parallel_positions(cu_seqlens, cp_size, cp_rank, *, offsets=None):
+def context_parallel_positions(cu_seqlens: Any, cp_size: int, cp_rank: int, *,
+                               offsets: Any = None) -> Any:
     """Positions of the packed tokens one context-parallel rank holds.
 
     Context parallelism (TransformerEngine, Megatron-LM) cuts every sequence into ``2 * cp_size``
@@ -164,8 +167,8 @@ def context_parallel_positions(cu_seqlens, cp_size, cp_rank, *, offsets=None):
     return place_like(positions.astype(info.dtype), cu_seqlens if info.kind != "numpy" else None)
 
 
-def te_positions(t, tensor_format="sbhd", *, cu_seqlens=None, start_positions=None, cp_size=1,
-                 cp_rank=0):
+def te_positions(t: Any, tensor_format: str = "sbhd", *, cu_seqlens: Any = None,
+                 start_positions: Any = None, cp_size: int = 1, cp_rank: int = 0) -> Any:
     """Positions for ``apply_rope`` on a tensor in one of TransformerEngine's layouts.
 
     TransformerEngine's ``apply_rotary_pos_emb(t, freqs, tensor_format, start_positions,
