@@ -257,6 +257,15 @@ def _backward(ctx, grad_q_out, grad_k_out):
     return (grad_q, grad_k) + (None,) * (len(_TABLE_ARGS) + len(ctx.options))
 
 
+def _record_in_place(ctx, rotated: Tensor, tables, options) -> Tensor:
+    """Record on the autograd graph that ``rotated`` was changed in place, keeping what its
+    backward (the inverse rotation) needs."""
+    ctx.mark_dirty(rotated)
+    ctx.save_for_backward(*tables)
+    ctx.options = options
+    return rotated
+
+
 class _RotateInPlace(torch.autograd.Function):
     """Rotates q and k in place in one launch; records the change of q (the change of k is
     recorded by :class:`_AlreadyRotated`: autograd lets a function that dirties a view return
@@ -265,10 +274,7 @@ class _RotateInPlace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, positions, cos_sin_cache, cos, sin, *options):
         torch.ops.cupyrope.apply_rope_(q, k, positions, cos_sin_cache, cos, sin, *options)
-        ctx.mark_dirty(q)
-        ctx.save_for_backward(positions, cos_sin_cache, cos, sin)
-        ctx.options = options
-        return q
+        return _record_in_place(ctx, q, (positions, cos_sin_cache, cos, sin), options)
 
     @staticmethod
     def backward(ctx, grad_q_out):
@@ -284,10 +290,7 @@ class _AlreadyRotated(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, k, positions, cos_sin_cache, cos, sin, *options):
-        ctx.mark_dirty(k)
-        ctx.save_for_backward(positions, cos_sin_cache, cos, sin)
-        ctx.options = options
-        return k
+        return _record_in_place(ctx, k, (positions, cos_sin_cache, cos, sin), options)
 
     @staticmethod
     def backward(ctx, grad_k_out):
