@@ -42,7 +42,7 @@ class ArrayInfo:
     obj: Any  # the caller's object
     kind: str  # "numpy", "torch", "cupy", "jax" or "dlpack"
     device: int | None  # CUDA device ordinal, None on the CPU
-    ptr: int  # device pointer (0 on the CPU)
+    ptr: int  # address of element 0: a device pointer, or a host address on the CPU (0: no memory)
     shape: tuple[int, ...]
     strides: tuple[int, ...]  # in elements
     dtype: str  # canonical name: "bfloat16", "float32", "int64", ...
@@ -88,7 +88,7 @@ def _from_numpy(x: np.ndarray, name: str, *, obj=None, kind="numpy", writable=No
         obj=x if obj is None else obj,
         kind=kind,
         device=None,
-        ptr=0,
+        ptr=x.__array_interface__["data"][0],
         shape=tuple(x.shape),
         strides=_element_strides(x.strides, itemsize, name),
         dtype=dtype,
@@ -118,7 +118,7 @@ def _from_torch(x, name: str) -> ArrayInfo:
         index = device.index if device.index is not None else _torch().cuda.current_device()
         return ArrayInfo(x, "torch", index, x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype)
     if device.type == "cpu":
-        return ArrayInfo(x, "torch", None, 0, tuple(x.shape), tuple(x.stride()), dtype)
+        return ArrayInfo(x, "torch", None, x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype)
     raise TypeError(f"{name}: torch tensors on device {device} are not supported (CPU or CUDA only)")
 
 

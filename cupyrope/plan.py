@@ -12,10 +12,12 @@ import numpy as np
 
 from .abi import AngleSource
 from .arrays import ArrayInfo, describe, to_host
-from .dtypes import FLOAT_DTYPES, POSITION_DTYPES
+from .dtypes import FLOAT_DTYPES, ITEMSIZE, POSITION_DTYPES
 from .mrope import MROPE_NONE, mrope_layout
 from .scaling import as_dict
-from .schedules import compute_frequencies, rotary_dim_for
+from .overlap import shares_memory
+from .schedules import (DEFAULT_THETA, SEQ_LEN_SCHEDULES, compute_frequencies, rotary_dim_for,
+                        scaling_type)
 from .validators import check_bool, check_rotary_dim, check_theta, is_integer
 
 
@@ -188,6 +190,9 @@ def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=No
                      num_k_heads=0 if ki is None else ki.shape[-2], head_dim=head_dim,
                      interleaved=interleaved, inverse=inverse, inplace=inplace)
 
+    if cos_sin_cache is not None or cos is not None:
+        _refuse_schedule_with_table(theta, scaling, seq_len,
+                                    "cos_sin_cache" if cos is None else "cos/sin")
     if cos is not None:
         if positions is not None:
             raise ValueError("apply_rope: positions must be None when cos/sin tables are given")
@@ -210,7 +215,72 @@ def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=No
         _plan_positions(plan, positions)
 
     check_rotary_dim(plan.rotary_dim, "apply_rope", head_dim)
+    operands = _operands(plan)
+    for name, info in operands:
+        if info.on_gpu and info.ptr % ITEMSIZE[info.dtype]:
+            raise ValueError(
+                f"apply_rope: {name}'s data pointer {info.ptr:#x} is not a multiple of its element "
+                f"size ({ITEMSIZE[info.dtype]} bytes for {info.dtype}); no kernel can read it: pass "
+                "an array that starts on an element boundary (e.g. a copy)"
+            )
+    if inplace:
+        _check_no_shared_elements(operands)
     return plan
+
+
+def _operands(plan: RopePlan) -> list[tuple[str, ArrayInfo]]:
+    named = (("q", plan.q), ("k", plan.k), ("positions", plan.positions),
+             ("cos_sin_cache", plan.cache), ("cos", plan.cos), ("sin", plan.sin))
+    return [(name, info) for name, info in named if info is not None]
+
+
+def _check_no_shared_elements(operands) -> None:
+    """In place, q and k are read and written by the same launch: neither may share an element
+    with another operand (exact; fused-QKV views that interleave without sharing are fine)."""
+    for written, info in operands[:2]:
+        if written not in ("q", "k"):
+            break
+        for other, other_info in operands:
+            if other == written or (written == "k" and other == "q"):
+                continue
+            if shares_memory(info, other_info):
+                raise ValueError(
+                    f"apply_rope: inplace=True but {written} shares memory with {other}: the "
+                    f"rotation would read elements it has already written. Pass arrays that do not "
+                    f"overlap, or rotate out of place"
+                )
+
+
+# Keys of a scaling dict that still mean something with a table: the M-RoPE layout.
+_TABLE_SCALING_KEYS = frozenset({"mrope_section", "mrope_interleaved"})
+
+
+def _refuse_schedule_with_table(theta, scaling, seq_len, table: str) -> None:
+    """A table holds its angles: a schedule given beside it would be ignored, so it is refused."""
+    if isinstance(theta, (bool, np.bool_)) or not isinstance(theta, (int, float, np.number)):
+        check_theta(theta, "apply_rope")  # the type error a wrong theta always gets
+    if theta != DEFAULT_THETA:
+        raise ValueError(
+            f"apply_rope: theta={theta!r} is given with {table}, which already holds the angles; "
+            "leave theta at its default or drop the table to compute angles from theta"
+        )
+    if seq_len is not None:
+        raise ValueError(f"apply_rope: seq_len is given with {table}, which does not use it "
+                         "(only the dynamic and longrope schedules read it)")
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        scaling_type(scaling, "apply_rope")  # the TypeError for a scaling that is not a dict
+    ignored = sorted(key for key, value in scaling.items()
+                     if key not in _TABLE_SCALING_KEYS
+                     and not (key in ("rope_type", "type") and value in (None, "default")))
+    if ignored:
+        raise ValueError(
+            f"apply_rope: scaling keys {ignored} are given with {table}, which already holds the "
+            "schedule's angles; with a table, scaling may only carry M-RoPE keys "
+            f"({sorted(_TABLE_SCALING_KEYS)}). Build the table with that schedule instead "
+            "(cupyrope.cos_sin_cache(..., scaling=...))"
+        )
 
 
 def _plan_cache(cache: ArrayInfo, q: ArrayInfo, rotary_dim):
@@ -242,6 +312,11 @@ def _plan_cache(cache: ArrayInfo, q: ArrayInfo, rotary_dim):
 
 def _plan_computed(theta, scaling, seq_len, rotary_dim, head_dim):
     check_theta(theta, "apply_rope")
+    if seq_len is not None and scaling_type(scaling, "apply_rope") not in SEQ_LEN_SCHEDULES:
+        raise ValueError(
+            f"apply_rope: seq_len is given but the {scaling_type(scaling, 'apply_rope')!r} schedule "
+            f"does not use it (only {' and '.join(SEQ_LEN_SCHEDULES)} read it); leave it out"
+        )
     # head_dim, or int(head_dim * partial_rotary_factor) when scaling has one (Hugging Face's dim)
     rotary_dim = rotary_dim_for(head_dim, scaling, rotary_dim, "apply_rope")
     check_rotary_dim(rotary_dim, "apply_rope", head_dim)

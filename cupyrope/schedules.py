@@ -49,6 +49,8 @@ from .validators import check_rotary_dim, check_seq_len, check_theta
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 # Legacy names: Phi-3's first configs called LongRoPE "su".
 _ALIASES = {"su": "longrope"}
+# The schedules that depend on the sequence length (the seq_len argument).
+SEQ_LEN_SCHEDULES = ("dynamic", "longrope")
 DEFAULT_THETA = 10000.0
 
 # Keys that any dict may carry without a warning: the type, the base, the rotated fraction and the

@@ -151,8 +151,10 @@ def library_rotation(device: Device, x: np.ndarray, positions: np.ndarray, sourc
         out = cr.apply_rope(device.put(x), positions=device.put(np.arange(len(positions))),
                             cos_sin_cache=device.put(table))
     else:
+        # Only the length-dependent schedules take seq_len (apply_rope refuses it elsewhere).
+        reads_seq_len = cr.frequencies.scaling_type(scaling, "accuracy_report") in ("dynamic", "longrope")
         out = cr.apply_rope(device.put(x), positions=device.put(positions), theta=theta,
-                            scaling=scaling, seq_len=seq_len)
+                            scaling=scaling, seq_len=seq_len if reads_seq_len else None)
     return device.get(out)
 
 

@@ -88,7 +88,9 @@ def test_torch_out_of_place(dtype, source, layout, tch, randn, rng):
     kwargs, cache, tables = {}, None, None
     if source == "cache":
         cache = cr.cos_sin_cache(MAX_POSITION, D, theta=THETA, like=q)
-        assert isinstance(cache, tch.Tensor) and cache.device.type == "cpu" and cache.dtype == tch.float32
+        # like=q: a float64 q gets a float64 table, every other dtype float32
+        expected = tch.float64 if dtype == "float64" else tch.float32
+        assert isinstance(cache, tch.Tensor) and cache.device.type == "cpu" and cache.dtype == expected
         kwargs = {"positions": positions, "cos_sin_cache": cache}
     elif source == "tables":
         tables = tuple(to_torch(tch, t) for t in tables_np(pos_np, D, interleaved))
@@ -223,7 +225,8 @@ def test_jax(dtype, source, jx, randn, rng):
         cache = tables = None
         if source == "cache":
             cache = cr.cos_sin_cache(MAX_POSITION, D, theta=THETA, like=q)
-            assert isinstance(cache, jx.Array) and str(cache.dtype) == "float32"
+            expected = "float64" if dtype == "float64" else "float32"  # like=q's float64 stays float64
+            assert isinstance(cache, jx.Array) and str(cache.dtype) == expected
             kwargs = {"positions": positions, "cos_sin_cache": cache}
         elif source == "tables":
             tables = tuple(jnp.asarray(t) for t in tables_np(pos_np, D, interleaved))

@@ -1,0 +1,56 @@
+"""Whether two arrays share an element: the exact answer, from pointers, shapes and strides alone.
+
+A rotation in place reads and writes the same elements, so an array it writes must not share an
+element with any other operand. Views of one buffer often interleave without sharing anything (q
+and k of a fused QKV projection: every token's q heads, then its k heads), so comparing address
+ranges is not enough. NumPy's ``shares_memory`` decides the question exactly for any pointer, shape
+and strides (a bounded integer program) without touching memory: each array is handed to it as a
+byte view made from its ``__array_interface__``, whatever device the pointer belongs to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .arrays import ArrayInfo
+from .dtypes import ITEMSIZE
+
+# NumPy >= 1.25 keeps it in np.exceptions, older ones at the top level.
+_TooHardError = getattr(getattr(np, "exceptions", np), "TooHardError")
+
+
+class _ByteView:
+    """An ``__array_interface__`` of an array's bytes: its shape plus a last dim of itemsize bytes."""
+
+    def __init__(self, info: ArrayInfo):
+        itemsize = ITEMSIZE[info.dtype]
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": tuple(info.shape) + (itemsize,),
+            "strides": tuple(s * itemsize for s in info.strides) + (1,),
+            "typestr": "|u1",
+            "data": (info.ptr, True),
+        }
+
+
+def byte_span(info: ArrayInfo) -> tuple[int, int]:
+    """(lowest, one past the highest) byte offset from the pointer that the array covers."""
+    itemsize = ITEMSIZE[info.dtype]
+    if info.size == 0:
+        return 0, 0
+    low = sum((n - 1) * s for n, s in zip(info.shape, info.strides) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(info.shape, info.strides) if s > 0)
+    return low * itemsize, (high + 1) * itemsize
+
+
+def shares_memory(a: ArrayInfo, b: ArrayInfo) -> bool:
+    """True when ``a`` and ``b`` have an element in common (exact; never reads them)."""
+    if a.size == 0 or b.size == 0 or a.device != b.device or not a.ptr or not b.ptr:
+        return False
+    (a_low, a_high), (b_low, b_high) = byte_span(a), byte_span(b)
+    if a.ptr + a_high <= b.ptr + b_low or b.ptr + b_high <= a.ptr + a_low:
+        return False  # disjoint address ranges: the common case, decided without NumPy
+    try:
+        return bool(np.shares_memory(np.asarray(_ByteView(a)), np.asarray(_ByteView(b))))
+    except _TooHardError:  # pragma: no cover - needs pathological strides
+        return True  # cannot be proven disjoint: treated as overlapping, so the call is refused
