@@ -339,11 +339,40 @@ def gpu_array_key(x):
         if device < 0 or x.requires_grad:
             return None
         ptr = x.data_ptr()
-        return (x.shape, x.stride(), x.dtype, device, ptr & 15), ptr
+        return (type(x), x.shape, x.stride(), x.dtype, device, ptr & 15), ptr
     if kind == "cupy":
         ptr = x.data.ptr
-        return (x.shape, x.strides, x.dtype, x.device.id, ptr & 15), ptr
+        return (type(x), x.shape, x.strides, x.dtype, x.device.id, ptr & 15), ptr
     return None
+
+
+def in_place_refusal(info: ArrayInfo) -> str | None:
+    """Why the array's framework forbids writing into it in place right now, or None.
+
+    torch refuses in-place updates of an inference tensor outside ``torch.inference_mode()``."""
+    if info.kind == "torch" and info.obj.is_inference() and not _torch().is_inference_mode_enabled():
+        return ("is an inference tensor (made under torch.inference_mode()) and inference mode "
+                "is off; torch refuses in-place updates of it outside inference mode: rotate under "
+                "torch.inference_mode(), or out of place, or in place on a clone")
+    return None
+
+
+def inference_tensor_outside_inference_mode(x) -> bool:
+    """The repeat-call path's form of :func:`in_place_refusal` for a CUDA torch tensor."""
+    return x.is_inference() and not _torch().is_inference_mode_enabled()
+
+
+def mark_written(x) -> None:
+    """Record an in-place write of a torch tensor as torch's own in-place ops do (its version
+    counter), so that autograd refuses a backward through values saved before the write."""
+    if _gpu_kind(x) == "torch" or _module_of(x) == "torch":
+        _increment_version(x)
+
+
+def _increment_version(x) -> None:
+    global _increment_version
+    _increment_version = _torch()._C._increment_version  # ~0.1 us per call from now on
+    _increment_version(x)
 
 
 def new_gpu_outputs(q, k):
@@ -364,6 +393,13 @@ def current_stream(like, device: int) -> int:
     if _gpu_kind(like) == "torch":
         return _raw_torch_stream(device)
     return cupy_module().cuda.get_current_stream().ptr
+
+
+def stream_is_capturing(like, device: int) -> bool:
+    """Whether the stream a call for ``like`` runs on is being captured into a CUDA graph."""
+    cupy = cupy_module()
+    status = cupy.cuda.runtime.streamIsCapturing(current_stream(like, device))
+    return status != cupy.cuda.runtime.streamCaptureStatusNone
 
 
 def _raw_torch_stream(device: int) -> int:

@@ -12,10 +12,11 @@ a route.
 
 from __future__ import annotations
 
-from .arrays import ArrayInfo, describe, empty_like_caller, finish, host_view
+from .arrays import ArrayInfo, describe, empty_like_caller, finish, host_view, mark_written
 from .numpy_path import rotate_on_host
+from .overlap import byte_span
 from .plan import RopePlan, check_values, plan_rope
-from .recipes import call_key, recipes, replay
+from .recipes import call_key, guard_in_place, recipes, replay
 
 
 def run(q, k, positions, cos_sin_cache, cos, sin, *, theta, scaling, interleaved, rotary_dim,
@@ -56,7 +57,15 @@ def run(q, k, positions, cos_sin_cache, cos, sin, *, theta, scaling, interleaved
         natives, outputs = [m[0] for m in made], [m[1] for m in made]
 
     recipe = rotate(plan, outputs)
+    if plan.inplace:
+        for native in natives:
+            mark_written(native)
     if recipe is not None and key is not None:
+        recipe.torch = plan.q.kind == "torch"
+        if plan.inplace:
+            operands = (plan.q, plan.k, plan.positions, plan.cache, plan.cos, plan.sin)
+            guard_in_place(recipe, [None if info is None else byte_span(info) for info in operands],
+                           key[1])
         recipes.put(key[0], recipe)
 
     results = natives if plan.inplace else [finish(info, out) for info, out in zip(inputs, natives)]

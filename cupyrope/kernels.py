@@ -128,6 +128,11 @@ _locks: dict[tuple[int, KernelSpec], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
 
+def is_compiled(spec: KernelSpec, device_id: int) -> bool:
+    """Whether ``spec`` is compiled and loaded on ``device_id`` in this process."""
+    return (device_id, spec) in _compiled
+
+
 def get_kernel(spec: KernelSpec, device_id: int) -> CompiledKernel:
     """The compiled kernel for ``spec`` on ``device_id``, compiling it on first use."""
     key = (device_id, spec)
@@ -241,9 +246,15 @@ def _as_source(value) -> AngleSource:
     raise ValueError(f"warmup: sources must be among {sorted(_SOURCE_NAMES)}, got {value!r}")
 
 
+# Modules forgotten by clear_cache stay loaded: a captured CUDA graph may still launch them.
+_retired: list[CompiledKernel] = []
+
+
 def clear_cache() -> None:
-    """Forget every compiled kernel in this process (CuPy's disk cache stays)."""
+    """Forget every compiled kernel in this process (CuPy's disk cache stays); the next call
+    compiles (or loads from disk) again. Loaded modules are kept, never unloaded."""
     with _locks_guard:
+        _retired.extend(_compiled.values())
         _compiled.clear()
         _locks.clear()
     _read_sources.cache_clear()

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import numpy as np
 
 from .abi import MAX_TOKEN_DIMS, PARAMS_DTYPE, AngleSource
-from .arrays import ArrayInfo, cupy_module, upload
+from .arrays import ArrayInfo, cupy_module, stream_is_capturing, upload
 from .dtypes import ITEMSIZE
-from .kernels import KernelSpec, get_kernel
+from .kernels import KernelSpec, get_kernel, is_compiled
 from .plan import RopePlan
 from .recipes import LaunchRecipe
 
@@ -118,26 +118,40 @@ def _table_vector_ok(plan: RopePlan, pairs: int, cos_ptr: int, sin_ptr: int,
 
 
 class _DeviceConstants:
-    """float64 inv_freq arrays uploaded once per (device, schedule) and kept for later calls."""
+    """float64 inv_freq arrays uploaded once per (device, schedule) and kept for later calls.
+
+    Arrays are never freed while the process runs: a captured CUDA graph may read one long after
+    the call that uploaded it, even after clear() (which only forgets them for lookups). They are
+    ``rotary_dim / 2`` float64 each.
+    """
 
     def __init__(self):
         self._arrays: dict[tuple[int, bytes], object] = {}
+        self._retired: list = []
         self._lock = threading.Lock()
 
-    def inv_freq(self, device: int, values: np.ndarray):
+    def inv_freq(self, device: int, values: np.ndarray, *, capturing: bool = False):
         key = (device, values.tobytes())
         array = self._arrays.get(key)
         if array is None:
+            if capturing:
+                raise RuntimeError(_needs_warmup("the inverse frequencies of this schedule are not "
+                                                 "on the device yet (uploading them synchronises)"))
             with self._lock:
                 array = upload(np.ascontiguousarray(values, dtype=np.float64), device)
-                if len(self._arrays) > 256:
-                    self._arrays.clear()
                 self._arrays[key] = array
         return array
 
     def clear(self) -> None:
         with self._lock:
+            self._retired.extend(self._arrays.values())
             self._arrays.clear()
+
+
+def _needs_warmup(what: str) -> str:
+    return (f"apply_rope: called while the stream is being captured into a CUDA graph, but {what}; "
+            "call cupyrope.warmup(...) with this call's dtypes, angle source and (for computed "
+            "angles) theta / scaling / rotary_dim before capturing")
 
 
 device_constants = _DeviceConstants()
@@ -258,13 +272,21 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
     """Launch one kernel that rotates q (and k) of ``plan`` into ``outputs``; returns the recipe
     that repeats this launch for other arrays of the same layout."""
     device = plan.device
+    capturing = stream_is_capturing(plan.q.obj, device)
     inv_freq = None
     if plan.source == AngleSource.COMPUTED:
-        inv_freq = device_constants.inv_freq(device, plan.inv_freq)
+        inv_freq = device_constants.inv_freq(device, plan.inv_freq, capturing=capturing)
+
+    def compiled(kernel_spec: KernelSpec):
+        if capturing and not is_compiled(kernel_spec, device):
+            raise RuntimeError(_needs_warmup(f"{kernel_spec.name_expression} is not compiled "
+                                             "yet (compiling and loading it is not capturable)"))
+        return get_kernel(kernel_spec, device)
+
     spec = plan_launch(plan, outputs, inv_freq_ptr=0 if inv_freq is None else inv_freq.data.ptr,
-                       num_regs=lambda kernel_spec: get_kernel(kernel_spec, device).num_regs,
+                       num_regs=lambda kernel_spec: compiled(kernel_spec).num_regs,
                        multiprocessors=_multiprocessors(device))
-    kernel = get_kernel(spec.kernel, device)
+    kernel = compiled(spec.kernel)
     recipe = LaunchRecipe(kernel.ptr, device, spec.grid, spec.block, spec.params, spec.sin_offset,
                           spec.vector, inv_freq, spec.shared_bytes, spec.kernel)
     recipe.launch(plan.q.obj, *spec.pointers)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .abi import AngleSource
-from .arrays import ArrayInfo, describe, to_host
+from .arrays import ArrayInfo, describe, in_place_refusal, to_host
 from .dtypes import FLOAT_DTYPES, ITEMSIZE, POSITION_DTYPES
 from .mrope import MROPE_NONE, mrope_layout
 from .scaling import as_dict
@@ -128,6 +128,9 @@ def _check_inplace_target(info: ArrayInfo, name: str) -> None:
         raise TypeError(f"apply_rope: inplace=True needs a mutable array; {name} is an immutable JAX array")
     if not info.writable:
         raise ValueError(f"apply_rope: inplace=True but {name} is read-only")
+    refusal = in_place_refusal(info)
+    if refusal is not None:
+        raise RuntimeError(f"apply_rope: inplace=True but {name} {refusal}")
     if info.size > 0 and any(stride == 0 and size > 1
                              for size, stride in zip(info.shape, info.strides)):
         raise ValueError(

@@ -25,8 +25,9 @@ def varlen_positions(cu_seqlens: Any, offsets: Any = None) -> Any:
     Returns
     -------
     positions : array, shape ``(cu_seqlens[-1],)``
-        ``offsets[i] + arange(len_i)`` for each sequence, with the dtype, type and device of
-        ``cu_seqlens``.
+        ``offsets[i] + arange(len_i)`` for each sequence, with the type and device of
+        ``cu_seqlens`` and its dtype (int64 where an int32 would not hold a position: never
+        wraps).
 
     Examples
     --------
@@ -61,7 +62,8 @@ def varlen_positions(cu_seqlens: Any, offsets: Any = None) -> Any:
     # Position of row t in sequence i: starts[i] + (t - bounds[i]).
     sequence = np.repeat(np.arange(len(lengths)), lengths)
     positions = (np.arange(bounds[-1], dtype=np.int64) - bounds[sequence] + starts[sequence])
-    return place_like(positions.astype(info.dtype), cu_seqlens if info.kind != "numpy" else None)
+    return place_like(_widened_if_needed(positions, info.dtype),
+                      cu_seqlens if info.kind != "numpy" else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,6 +78,15 @@ def _check_cp(cp_size, cp_rank, where: str) -> tuple[int, int]:
     if cp_rank >= cp_size:
         raise ValueError(f"{where}: cp_rank must be < cp_size ({cp_size}), got {cp_rank}")
     return cp_size, cp_rank
+
+
+def _widened_if_needed(positions: np.ndarray, dtype: str) -> np.ndarray:
+    """int64 positions in ``dtype`` (cu_seqlens' dtype), or int64 when a value does not fit
+    int32: a position never wraps."""
+    if dtype == "int32" and positions.size and (positions.max() > np.iinfo(np.int32).max
+                                                or positions.min() < np.iinfo(np.int32).min):
+        dtype = "int64"
+    return positions.astype(dtype)
 
 
 def _host_ints(x, name: str, where: str):
@@ -131,7 +142,7 @@ def context_parallel_positions(cu_seqlens: Any, cp_size: int, cp_rank: int, *,
     Returns
     -------
     positions : array, shape ``(cu_seqlens[-1] // cp_size,)``
-        Dtype, type and device of ``cu_seqlens``. Computed on the host: GPU inputs are read back
+        Type and device of ``cu_seqlens``, and its dtype (int64 where int32 would wrap). Computed on the host: GPU inputs are read back
         (a synchronisation), so compute them once per batch, e.g. in the data loader.
 
     Examples
@@ -164,7 +175,8 @@ def context_parallel_positions(cu_seqlens: Any, cp_size: int, cp_rank: int, *,
                 f"got {offsets_info.shape}"
             )
         positions = positions + np.repeat(starts, lengths // cp_size)
-    return place_like(positions.astype(info.dtype), cu_seqlens if info.kind != "numpy" else None)
+    return place_like(_widened_if_needed(positions, info.dtype),
+                      cu_seqlens if info.kind != "numpy" else None)
 
 
 def te_positions(t: Any, tensor_format: str = "sbhd", *, cu_seqlens: Any = None,

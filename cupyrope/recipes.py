@@ -15,8 +15,9 @@ import struct
 import threading
 
 from .abi import PARAMS_DTYPE
-from .arrays import cupy_module, current_stream, gpu_array_key, new_gpu_outputs
-from .scaling import Scaling
+from .arrays import (cupy_module, current_stream, gpu_array_key, inference_tensor_outside_inference_mode,
+                     mark_written, new_gpu_outputs)
+from .scaling import exact_key
 
 _ParamsWords = ctypes.c_uint64 * (PARAMS_DTYPE.itemsize // 8)
 _ArgumentPointers = ctypes.c_void_p * 1
@@ -31,7 +32,8 @@ class LaunchRecipe:
     the same shapes, strides, dtypes and alignment only fills in pointers and launches."""
 
     __slots__ = ("function_ptr", "device", "grid", "block", "shared_bytes", "sin_offset", "vector",
-                 "keep_alive", "spec", "_words", "_argv_address", "_argv", "_lock", "_runtime", "_driver")
+                 "keep_alive", "spec", "torch", "spans", "overlapping", "_words", "_argv_address",
+                 "_argv", "_lock", "_runtime", "_driver")
 
     def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive,
                  shared_bytes=0, spec=None):
@@ -44,6 +46,8 @@ class LaunchRecipe:
         self.vector = vector
         self.keep_alive = keep_alive  # device constants the parameters point at
         self.spec = spec  # the KernelSpec launched (tests read it)
+        self.torch = False  # torch arrays: in-place writes bump their version counters
+        self.spans, self.overlapping = (None,) * 6, ()  # see guard_in_place
         # The parameter block is reused: only its pointer fields change between calls, and
         # cuLaunchKernel copies it before returning, so a lock around fill + launch suffices.
         self._words = _ParamsWords.from_buffer_copy(params.tobytes())
@@ -110,8 +114,10 @@ def call_key(q, k, positions, cos_sin_cache, cos, sin, options):
     """(hashable key, data pointers) for a call on CUDA torch tensors / CuPy arrays, else None.
 
     ``options`` is ``(theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len)`` as the
-    caller gave them; a call whose key cannot be formed (another array type, an unhashable
-    option) takes the full path.
+    caller gave them. The key holds each operand's exact array type and each option's exact type
+    (``rotary_dim=32.0`` is not ``rotary_dim=32``), so a repeat call is accepted exactly when the
+    full path accepted the same call. A call whose key cannot be formed (another array type, an
+    unhashable option) takes the full path.
     """
     metas, pointers = [], []
     for x in (q, k, positions, cos_sin_cache, cos, sin):
@@ -128,26 +134,48 @@ def call_key(q, k, positions, cos_sin_cache, cos, sin, options):
     # Only exact bools: interleaved=1 must still reach the check that rejects it.
     if not (type(interleaved) is bool and type(inverse) is bool and type(inplace) is bool):
         return None
-    if scaling is not None:
-        try:
-            scaling = Scaling.from_dict(scaling)
-            hash(scaling)
-        except TypeError:
-            return None
-    same_qk = k is not None and pointers[1] == pointers[0]  # refused in place; must not be cached
-    key = (tuple(metas), type(theta), theta, scaling, interleaved, rotary_dim, inverse, inplace,
-           seq_len, same_qk)
     try:
+        key = (tuple(metas), exact_key(theta), exact_key(scaling), interleaved,
+               exact_key(rotary_dim), inverse, inplace, exact_key(seq_len))
         hash(key)
     except TypeError:  # an unhashable option (e.g. theta given as an array): full path
         return None
     return key, pointers
 
 
+def guard_in_place(recipe: LaunchRecipe, spans, pointers) -> None:
+    """Let ``recipe`` replay in place only where no written array can share an element with
+    another operand: ``spans`` are the (low, high) byte spans of the operands (None where absent),
+    and ``pointers`` the ones the full path checked exactly."""
+    recipe.spans = tuple(spans)
+    recipe.overlapping = _overlapping(recipe.spans, pointers)
+
+
+def _overlapping(spans, pointers):
+    """(written, other, pointer distance) of every pair of operands whose byte ranges intersect:
+    q and k are written; the others are read."""
+    found = []
+    for w in (0, 1):
+        if spans[w] is None:
+            continue
+        w_low, w_high = pointers[w] + spans[w][0], pointers[w] + spans[w][1]
+        for o in range(w + 1, len(spans)):
+            if spans[o] is not None and pointers[o] + spans[o][0] < w_high \
+                    and w_low < pointers[o] + spans[o][1]:
+                found.append((w, o, pointers[o] - pointers[w]))
+    return tuple(found)
+
+
 def replay(recipe: LaunchRecipe, q, k, pointers, inplace: bool):
     """Run a cached recipe on new arrays; None when the full path must decide instead."""
     q_ptr, k_ptr, positions_ptr, cache_ptr, cos_ptr, sin_ptr = pointers
     if inplace:
+        # Byte ranges that intersect other than as the full path checked them: it decides again.
+        if _overlapping(recipe.spans, pointers) != recipe.overlapping:
+            return None
+        if recipe.torch and (inference_tensor_outside_inference_mode(q) or
+                             (k is not None and inference_tensor_outside_inference_mode(k))):
+            return None
         q_out, k_out, q_out_ptr, k_out_ptr = q, k, q_ptr, k_ptr
     else:
         q_out, q_out_ptr, k_out, k_out_ptr = new_gpu_outputs(q, k)
@@ -155,4 +183,8 @@ def replay(recipe: LaunchRecipe, q, k, pointers, inplace: bool):
             return None  # allocators align to 256 bytes; never expected, but never assumed
     recipe.launch(q, q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr or cos_ptr,
                   sin_ptr)
+    if inplace and recipe.torch:
+        mark_written(q)
+        if k is not None:
+            mark_written(k)
     return q_out if k is None else (q_out, k_out)

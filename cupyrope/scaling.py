@@ -63,6 +63,18 @@ class Scaling:
         return {key: _thaw(value) for key, value in self.items}
 
 
+def exact_key(value):
+    """A hashable form of an option that tells apart values which compare equal across types
+    (``1``, ``1.0``, ``True``): a repeat call must not reuse what an earlier call of another type
+    was accepted with. Raises TypeError for an unhashable value."""
+    if isinstance(value, Mapping):
+        return (dict,) + tuple((key, exact_key(v)) for key, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return (type(value),) + tuple(exact_key(v) for v in value)
+    hash(value)
+    return type(value), value
+
+
 def as_dict(scaling) -> dict | None:
     """The dict behind ``scaling`` (a dict, a :class:`Scaling` or None)."""
     return scaling.as_dict() if isinstance(scaling, Scaling) else scaling

@@ -166,6 +166,30 @@ def _check_inplace_autograd(x, name: str) -> None:
             f"apply_rope: inplace=True on {name}, a view of a leaf tensor that requires grad; "
             "autograd cannot record an in-place change of it (as for torch's own in-place ops)"
         )
+    if x._is_view() and _creation_meta(x) != "DEFAULT":
+        # torch refuses in-place changes of views made by a function that returns several views
+        # (split, chunk, unbind), or made under no_grad / inference mode; it raises only after the
+        # write, so the same rule is checked here, before anything is written.
+        raise RuntimeError(
+            f"apply_rope: inplace=True on {name}, a view of a tensor that requires grad made "
+            f"{_CREATION_REASONS.get(_creation_meta(x), 'in a way autograd cannot rebase')}; "
+            "autograd cannot record an in-place change of it (as for torch's own in-place ops): "
+            "take q and k with slicing or narrow() instead, or rotate out of place"
+        )
+
+
+_CREATION_REASONS = {
+    "MULTI_OUTPUT_NODE": "by a function that returns several views (split, chunk, unbind)",
+    "NO_GRAD_MODE": "under torch.no_grad()",
+    "INFERENCE_MODE": "under torch.inference_mode()",
+    "IN_CUSTOM_FUNCTION": "inside a custom autograd Function",
+}
+
+
+def _creation_meta(x) -> str:
+    """How autograd recorded the creation of view ``x`` (torch's CreationMeta, by name)."""
+    get = getattr(torch._C._autograd, "_get_creation_meta", None)
+    return "DEFAULT" if get is None else get(x).name
 
 
 # ----------------------------------------------------------------------------------------------
