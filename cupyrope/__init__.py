@@ -11,7 +11,7 @@ take a vectorised NumPy path with the same semantics.
 from .api import apply_rope
 from .frequencies import cos_sin_cache, rope_frequencies
 from .abi import AngleSource
-from .kernels import warmup
+from .prepare import warmup
 from .positions import context_parallel_positions, te_positions, varlen_positions
 
 __version__ = "0.1.0"

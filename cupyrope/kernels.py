@@ -128,6 +128,11 @@ _locks: dict[tuple[int, KernelSpec], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
 
+def current_device() -> int:
+    """The current CUDA device of this thread (CuPy's view, which torch's device guard shares)."""
+    return cupy_module().cuda.runtime.getDevice()
+
+
 def is_compiled(spec: KernelSpec, device_id: int) -> bool:
     """Whether ``spec`` is compiled and loaded on ``device_id`` in this process."""
     return (device_id, spec) in _compiled
@@ -215,7 +220,7 @@ def warmup(
                              f"{sorted(map(str, unknown))}")
         named[name] = set(names)
     dtypes, table_dtypes = named["dtypes"], named["table_dtypes"]
-    device_id = cupy.cuda.runtime.getDevice() if device is None else int(device)
+    device_id = current_device() if device is None else int(device)
     count = 0
     for spec in SPECIALISATIONS:
         if (
