@@ -25,6 +25,8 @@ from .plan import RopePlan
 from .recipes import LaunchRecipe
 
 THREADS_PER_BLOCK = 256
+# CUDA's grid limits (every GPU since compute capability 3.0).
+MAX_GRID_X, MAX_GRID_Y = 2**31 - 1, 65535
 # Launches whose every offset (and token count) stays below this use 32-bit offsets. Half of the
 # int32 range: the kernel's token loop steps up to one grid past the last token before it stops.
 INDEX32_LIMIT = 2**30
@@ -366,5 +368,7 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
         if heads_per_thread == 1 and waves <= 0.5:
             score = float("inf")  # a decode step: latency, not bandwidth, decides (H200: T = 1, 32)
         if best is None or score > best[0]:
-            best = (score, (lanes, block_y, tokens), (min(grid_x, 2**31 - 1), grid_y))
+            # The kernels loop over tokens by gridDim.x and over head lanes by gridDim.y, so a grid
+            # capped at CUDA's limits still covers every token and head.
+            best = (score, (lanes, block_y, tokens), (min(grid_x, MAX_GRID_X), min(grid_y, MAX_GRID_Y)))
     return best[1], best[2]

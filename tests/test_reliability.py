@@ -292,3 +292,21 @@ def test_a_failing_output_allocation_writes_nothing_and_the_next_call_works(back
     want_q, want_k = cr.apply_rope(host_q, host_k, np.arange(4))
     np.testing.assert_allclose(backend.get(q_out), want_q, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(backend.get(k_out), want_k, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA grid limits (the launch geometry alone; tests/test_reliability_gpu.py runs them)
+
+
+@pytest.mark.parametrize("shape", [(2**31 + 7, 1, 2), (1, 2**31 + 7, 2), (3, 2**30, 2), (2**20, 2**12, 2)])
+def test_launch_grid_stays_within_cuda_limits(shape, monkeypatch):
+    from cupyrope import launch
+    from cupyrope.plan import plan_rope
+
+    monkeypatch.setattr(launch, "_multiprocessors", lambda device: 132)
+    q = np.lib.stride_tricks.as_strided(np.zeros(2, np.float32), shape=shape, strides=(0, 0, 4))
+    plan = plan_rope(q, positions=np.zeros(shape[0], np.int64))
+    for access, pairs in ((1, 1), (4, 4)):
+        block, grid = launch.launch_geometry(plan, access, pairs, False, num_regs=48)
+        assert grid[0] <= 2**31 - 1 and grid[1] <= 65535
+        assert block[0] * block[1] * block[2] <= 256 and block[2] <= 64
