@@ -14,7 +14,25 @@ from .abi import AngleSource
 from .prepare import warmup
 from .positions import context_parallel_positions, te_positions, varlen_positions
 
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed distribution's version; from a checkout that is not installed, the one its
+    pyproject.toml declares."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cupyrope")
+    except PackageNotFoundError:
+        import re
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = pyproject.is_file() and re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M)
+        return found.group(1) if found else "unknown"
+
+
+__version__ = _version()
 
 
 def clear_cache() -> None:

@@ -1,9 +1,13 @@
-"""``python -m cupyrope``: rotate a Llama-sized batch and check it against float64.
+"""``python -m cupyrope``: the demo, and the benchmark sweep.
 
-Runs on the GPU when CuPy sees one, otherwise on the NumPy path, and prints for each angle source
-the largest error against an exact float64 rotation, in units of the output dtype's ulp.
-``python -m cupyrope bench`` runs the benchmark sweep (GPU): a table of time, GB/s and % of an SM
-copy for cupyrope and the peers installed, and a bandwidth plot in ./cupyrope-bench/.
+``python -m cupyrope [demo] [--tokens N] [--dtype D] [--cpu]`` rotates a Llama-sized batch (on the
+GPU when CuPy sees one, else on the NumPy path) with each angle source and checks it against an
+exact float64 rotation: the largest error in ulps of the output dtype at the magnitude of each
+pair (|x1| + |x2|, the accuracy contract's bound) and a verdict. It exits 1 if a row fails.
+
+``python -m cupyrope bench [...]`` runs the benchmark sweep on a GPU (``--help`` lists its options):
+time, GB/s and % of an SM copy of the same bytes for cupyrope and the peers installed, a table, JSON
+and a bandwidth plot.
 """
 
 from __future__ import annotations
@@ -17,46 +21,84 @@ import numpy as np
 import cupyrope as cr
 from cupyrope.dtypes import numpy_dtype
 
+# The accuracy contract, in ulps of the output dtype at |x1| + |x2| of the pair: 16-bit outputs are
+# at most one ulp from the correctly rounded value; float32 within a few ulps.
+ULP_BOUND = {"bfloat16": 1.0, "float16": 1.0, "float32": 4.0}
+MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}
+
 
 def _gpu_available() -> bool:
     try:
         import cupy
 
-        return cupy.is_available()
+        return bool(cupy.is_available())
     except Exception:  # no CuPy, or CuPy without a usable driver
         return False
 
 
-def _exact(x64: np.ndarray, angles: np.ndarray) -> np.ndarray:
-    """float64 NeoX rotation of x64 [T, H, D] by angles [T, D/2]."""
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _exact(x64: np.ndarray, angles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float64 NeoX rotation of x64 [T, H, D] by angles [T, D/2], and each element's pair
+    magnitude |x1| + |x2|."""
     half = x64.shape[-1] // 2
     cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
     x1, x2 = x64[..., :half], x64[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    pair = np.abs(x1) + np.abs(x2)
+    return rotated, np.concatenate([pair, pair], axis=-1)
 
 
-def _ulps(out: np.ndarray, exact: np.ndarray, dtype: str) -> float:
-    """Largest |out - exact| in ulps of the output dtype at |exact|."""
-    mantissa = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52}[dtype]
-    exponent = np.floor(np.log2(np.maximum(np.abs(exact), 2.0**-14)))
-    return float(np.max(np.abs(out - exact) / 2.0 ** (exponent - mantissa)))
+def _ulps(out: np.ndarray, exact: np.ndarray, pair: np.ndarray, dtype: str) -> float:
+    """Largest |out - exact| in ulps of the output dtype at the pair's magnitude."""
+    exponent = np.floor(np.log2(np.maximum(pair, 2.0**-14)))
+    return float(np.max(np.abs(out - exact) / 2.0 ** (exponent - MANTISSA_BITS[dtype])))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m cupyrope",
+        description="Rotary Position Embedding kernels: the demo (default) or the benchmark sweep.")
+    parser.add_argument("--version", action="version", version=f"cupyrope {cr.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="{demo,bench}")
+    demo = commands.add_parser("demo", help="rotate a Llama-sized batch and check it against float64")
+    demo.add_argument("--tokens", type=_positive_int, default=4096, help="tokens (default 4096)")
+    demo.add_argument("--dtype", default="bfloat16", choices=sorted(ULP_BOUND))
+    demo.add_argument("--cpu", action="store_true", help="use the NumPy path even with a GPU")
+    commands.add_parser("bench", add_help=False,
+                        help="the benchmark sweep on a GPU (python -m cupyrope bench --help)")
+    return parser
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
-        # The reference benchmark sweep (needs a GPU and torch): table, JSON and bandwidth plot.
-        from cupyrope.benchmarking import main as bench
+        return _bench(argv[1:])
+    if not argv or argv[0] not in ("demo", "-h", "--help", "--version"):
+        argv = ["demo"] + argv  # the demo is the default command
+    args = _parser().parse_args(argv)
+    return _demo(args)
 
-        return bench(argv[1:], prog="python -m cupyrope bench", default_out="cupyrope-bench")
-    parser = argparse.ArgumentParser(
-        prog="python -m cupyrope", description=__doc__,
-        epilog="python -m cupyrope bench [--tokens ...] runs the benchmark sweep instead.")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--cpu", action="store_true", help="use the NumPy path even with a GPU")
-    args = parser.parse_args(argv)
 
+def _bench(argv) -> int:
+    if "-h" not in argv and "--help" not in argv and not _gpu_available():
+        print("python -m cupyrope bench: the benchmarks need a CUDA GPU with CuPy and torch, and "
+              "no usable GPU was found here (cupy.is_available() is false)", file=sys.stderr)
+        return 2
+    from cupyrope.bench.cli import main as bench_main  # imported only for this command
+
+    return bench_main(argv, prog="python -m cupyrope bench", default_out="cupyrope-bench")
+
+
+def _demo(args) -> int:
     on_gpu = _gpu_available() and not args.cpu
     T, Hq, Hk, D, theta, max_position = args.tokens, 32, 8, 128, 500000.0, 131072
     rng = np.random.default_rng(0)
@@ -82,15 +124,17 @@ def main(argv=None) -> int:
     cache = cr.cos_sin_cache(max_position, D, theta=theta, like=q)
     inv_freq, _ = cr.rope_frequencies(D, theta=theta)
     angles = positions_host[:, None].astype(np.float64) * inv_freq
-    exact_q = _exact(q_host.astype(np.float64), angles)
-    exact_k = _exact(k_host.astype(np.float64), angles)
+    exact_q, pair_q = _exact(q_host.astype(np.float64), angles)
+    exact_k, pair_k = _exact(k_host.astype(np.float64), angles)
 
     rows = [
         ("cos_sin_cache (float32, built in float64)", dict(cos_sin_cache=cache)),
         ("angles computed from theta (float64 reduction)", dict(theta=theta)),
     ]
-    print(f"{'angle source':44s} {'first call':>11s} {'per call':>10s} {'max err q':>10s} "
-          f"{'max err k':>10s}")
+    bound = ULP_BOUND[args.dtype]
+    print(f"{'angle source':48s} {'first call':>11s} {'per call':>10s} {'err q':>9s} {'err k':>9s}"
+          f"  verdict (<= {bound:g} ulp at |x1|+|x2|)")
+    failed = 0
     for name, kwargs in rows:
         start = time.perf_counter()
         q_out, k_out = cr.apply_rope(q, k, positions, **kwargs)
@@ -101,15 +145,18 @@ def main(argv=None) -> int:
             cr.apply_rope(q, k, positions, **kwargs)
         _sync(xp)
         per_call = (time.perf_counter() - start) / repeats
-        q_np = _to_host(q_out).astype(np.float64)
-        k_np = _to_host(k_out).astype(np.float64)
-        print(f"{name:44s} {first * 1e3:9.1f}ms {per_call * 1e3:8.2f}ms "
-              f"{_ulps(q_np, exact_q, args.dtype):7.2f}ulp {_ulps(k_np, exact_k, args.dtype):7.2f}ulp")
+        err_q = _ulps(_to_host(q_out).astype(np.float64), exact_q, pair_q, args.dtype)
+        err_k = _ulps(_to_host(k_out).astype(np.float64), exact_k, pair_k, args.dtype)
+        ok = max(err_q, err_k) <= bound
+        failed += not ok
+        print(f"{name:48s} {first * 1e3:9.1f}ms {per_call * 1e3:8.2f}ms {err_q:6.2f}ulp "
+              f"{err_k:6.2f}ulp  {'PASS' if ok else 'FAIL'}")
 
     back = cr.apply_rope(q_out, positions=positions, theta=theta, inverse=True)
     err = float(np.max(np.abs(_to_host(back).astype(np.float64) - q_host.astype(np.float64))))
     print(f"\ninverse=True undoes the rotation: max |q - inverse(rotate(q))| = {err:.3g}")
-    return 0
+    print("all rows within the accuracy contract" if not failed else f"{failed} row(s) FAILED")
+    return 1 if failed else 0
 
 
 def _sync(xp) -> None:

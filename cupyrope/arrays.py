@@ -243,6 +243,16 @@ def host_view(info: ArrayInfo) -> np.ndarray:
     return info.view
 
 
+def require_gpu(where: str) -> None:
+    """Raise one clear RuntimeError where there is no usable CUDA GPU (instead of CuPy's own)."""
+    cupy = cupy_module()
+    if not cupy.is_available():
+        raise RuntimeError(
+            f"{where}: no usable CUDA GPU was found (cupy.is_available() is false). {where} prepares "
+            "kernels for a GPU; without one, cupyrope runs its NumPy path, which needs no warmup"
+        )
+
+
 def to_host(info: ArrayInfo) -> np.ndarray:
     """The values of an array as a NumPy array: a view on the CPU, a copy (which synchronises)
     from a GPU."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-try:  # bfloat16 for NumPy; installed with the cuda12 / cuda13 extras
+try:  # bfloat16 for NumPy: a dependency of cupyrope
     import ml_dtypes as _ml_dtypes
-except ImportError:  # pragma: no cover - exercised only without the extra
+except ImportError:  # pragma: no cover - a broken install
     _ml_dtypes = None
 
 # C++ names used in the kernel instantiations (kernels_cu/numeric.cuh defines the 16-bit ones).
@@ -26,8 +26,8 @@ def numpy_dtype(name: str) -> np.dtype:
     if name == "bfloat16":
         if _ml_dtypes is None:
             raise ImportError(
-                "bfloat16 arrays need the ml_dtypes package: pip install ml_dtypes "
-                "(it comes with cupyrope[cuda12] and cupyrope[cuda13])"
+                "bfloat16 arrays need the ml_dtypes package, a dependency of cupyrope that is "
+                "missing here: pip install ml_dtypes (or reinstall cupyrope)"
             )
         return np.dtype(_ml_dtypes.bfloat16)
     return np.dtype(name)

@@ -13,6 +13,7 @@ from typing import Any
 
 from . import kernels
 from .abi import AngleSource
+from .arrays import require_gpu
 from .launch import device_constants
 from .schedules import DEFAULT_THETA, compute_frequencies
 
@@ -53,6 +54,7 @@ def warmup(dtypes: Iterable[Any] = ("bfloat16", "float16", "float32"), *,
     if schedule or rotary_dim is not None:  # checked before anything is compiled
         inv_freq, _ = compute_frequencies(rotary_dim, theta=DEFAULT_THETA if theta is None else theta,
                                           scaling=scaling, seq_len=seq_len, where="warmup")
+    require_gpu("warmup")
     count = kernels.warmup(dtypes, table_dtypes=table_dtypes, sources=sources,
                            interleaved=interleaved, vector=vector, wide_index=wide_index,
                            device=device)

@@ -93,10 +93,20 @@ def test_wheel_holds_only_the_cupyrope_package(wheel):
 
 
 def test_wheel_ships_every_python_module(wheel):
-    modules = sorted(p.name for p in (REPO / "cupyrope").glob("*.py"))
-    assert "__init__.py" in modules
+    modules = sorted(p.relative_to(REPO / "cupyrope").as_posix()
+                     for p in (REPO / "cupyrope").rglob("*.py") if "__pycache__" not in p.parts)
+    assert "__init__.py" in modules and "compat/__init__.py" in modules
     missing = [m for m in modules if f"cupyrope/{m}" not in wheel.names]
     assert not missing, f"cupyrope modules missing from the wheel: {missing}"
+
+
+def test_wheel_ships_the_licence_and_type_information(wheel):
+    assert "cupyrope/py.typed" in wheel.names
+    licence = [n for n in wheel.names if n.endswith("LICENSE") and ".dist-info/" in n]
+    assert licence and wheel.read(licence[0]) == (REPO / "LICENSE").read_bytes()
+    metadata = email.parser.Parser().parsestr(wheel.dist_info_file("METADATA"))
+    assert metadata["License-Expression"] == "Apache-2.0"
+    assert any("github.com/cupyrope/cupyrope" in url for url in metadata.get_all("Project-URL"))
 
 
 def test_wheel_ships_every_kernel_source(wheel):
@@ -122,8 +132,9 @@ def test_metadata_lists_the_extras(wheel):
 
     requirements = metadata.get_all("Requires-Dist")
     unconditional = [r for r in requirements if "extra ==" not in r]
-    # Installing without an extra must not pull CuPy (and its CUDA wheels) in.
-    assert [r.split(">")[0].split("=")[0].strip() for r in unconditional] == ["numpy"]
+    # Installing without an extra must not pull CuPy (and its CUDA wheels) in; ml_dtypes (bfloat16
+    # for NumPy) is small and the bf16 demo needs it on the NumPy path.
+    assert [r.split(">")[0].split("=")[0].strip() for r in unconditional] == ["numpy", "ml_dtypes"]
 
     def extra(name: str) -> str:
         return " ".join(r for r in requirements if f'extra == "{name}"' in r)
@@ -154,3 +165,16 @@ def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
     assert Path(package_file).is_relative_to(site), f"imported {package_file}, not the wheel's"
     assert Path(source_dir) == site / "cupyrope" / "kernels_cu"
     assert rope_cu == (REPO / "kernels_cu" / "rope.cu").read_text()
+
+
+def test_ci_runs_exactly_the_readme_commands():
+    """The README's install line and test command are what CI runs on a fresh clone."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    install = re.search(r'`(pip install -e "\.\[[a-z0-9,]+\]")`', readme)
+    assert install, "the README gives no install line for a fresh machine"
+    assert f"python -m {install.group(1)}\n" in ci
+    assert "python -m pytest tests      # the test suite" in readme
+    assert "\npython -m pytest tests\n" in ci

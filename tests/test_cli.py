@@ -1,0 +1,75 @@
+"""``python -m cupyrope``: the demo's verdict, argument errors, --version, and ``bench`` without a
+GPU; ``warmup`` without a GPU. These run on any machine (the demo takes the NumPy path there)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+import cupyrope as cr
+from cupyrope import __main__ as cli
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "cupyrope", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_demo_passes_the_accuracy_contract(dtype):
+    result = run("--tokens", "32", "--dtype", dtype, "--cpu")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("PASS") == 2 and "FAIL" not in result.stdout
+    assert "all rows within the accuracy contract" in result.stdout
+
+
+def test_demo_is_the_default_command():
+    result = run("demo", "--tokens", "8", "--cpu")
+    assert result.returncode == 0 and "PASS" in result.stdout
+
+
+@pytest.mark.parametrize("tokens", ["0", "-5", "many"])
+def test_tokens_must_be_a_positive_int(tokens):
+    result = run("--tokens", tokens)
+    assert result.returncode == 2
+    assert "argument --tokens: expected a positive integer" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_version():
+    result = run("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"cupyrope {cr.__version__}"
+
+
+def test_the_demo_fails_loudly_on_an_error_beyond_the_bound(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "ULP_BOUND", {"bfloat16": 0.0, "float16": 0.0, "float32": 0.0})
+    assert cli.main(["--tokens", "16", "--cpu", "--dtype", "float32"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_bench_without_a_gpu_says_so_in_one_sentence(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_gpu_available", lambda: False)
+    assert cli.main(["bench", "--tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "need a CUDA GPU" in err and err.count("\n") == 1
+
+
+def test_bench_hands_its_arguments_to_the_benchmark_cli(monkeypatch):
+    calls = []
+    fake = types.ModuleType("cupyrope.bench.cli")
+    fake.main = lambda argv, prog, default_out: calls.append((argv, prog, default_out)) or 0
+    monkeypatch.setitem(sys.modules, "cupyrope.bench.cli", fake)
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)
+    assert cli.main(["bench", "--tokens", "1", "8"]) == 0
+    assert calls == [(["--tokens", "1", "8"], "python -m cupyrope bench", "cupyrope-bench")]
+
+
+def test_warmup_without_a_gpu_raises_one_clear_error():
+    cupy = pytest.importorskip("cupy")
+    if cupy.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RuntimeError, match="warmup: no usable CUDA GPU was found"):
+        cr.warmup()
