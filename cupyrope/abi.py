@@ -1,4 +1,7 @@
-"""What the kernels share with Python."""
+"""What the kernels share with Python, mirrored from ``kernels_cu/rope_params.cuh`` and
+``kernels_cu/rotation.cuh``: the parameter struct's layout, the angle sources, the M-RoPE modes, the
+block size limit and the access layout. ``tests/test_abi.py`` checks every value here against the
+CUDA sources with NVRTC ``static_assert`` s, so the two cannot drift apart."""
 
 from __future__ import annotations
 
@@ -8,20 +11,42 @@ import numpy as np
 
 
 class AngleSource(enum.IntEnum):
-    """Where a kernel gets cos/sin from (the SOURCE template argument of rope_kernel)."""
+    """Where a kernel gets cos/sin from (the SOURCE template argument; ``AngleSource`` in
+    rope_params.cuh)."""
 
     CACHE_TABLE = 0  # vLLM layout [max_position, rotary_dim], row positions[t]
     TOKEN_TABLES = 1  # cos / sin broadcastable to the token dims
     COMPUTED = 2  # positions * inv_freq, reduced in float64 in the kernel
 
 
-MAX_TOKEN_DIMS = 4  # kMaxTokenDims in kernels_cu/rope_params.cuh
+class MRopeMode(enum.IntEnum):
+    """M-RoPE layouts (``RopeParams::mrope_mode``; ``MRopeMode`` in rope_params.cuh)."""
+
+    NONE = 0
+    SECTIONED = 1  # Qwen2-VL: pairs [0, s0) temporal, then s1 height, s2 width
+    INTERLEAVED = 2  # Qwen3-VL: pair j height if j % 3 == 1 and j < 3 s1, width if j % 3 == 2 ...
+
+
+THREADS_PER_BLOCK = 256  # kMaxThreadsPerBlock: the kernels' __launch_bounds__
+
+
+def access_layout(itemsize: int, vector: bool, interleaved: bool) -> tuple[int, int]:
+    """(elements per access, pairs per thread and head): ``Layout<T, VECTOR, INTERLEAVED>``.
+
+    16-byte accesses on the vector path, one element on the scalar path; NeoX reads one access
+    from each half (``access`` pairs), interleaved reads pairs side by side (``access / 2``)."""
+    access = 16 // itemsize if vector else 1
+    pairs = max(access // 2, 1) if interleaved else access
+    return access, pairs
+
+
+MAX_TOKEN_DIMS = 4  # kMaxTokenDims
 
 _TOKEN_STRIDE_FIELDS = ("q_token_stride", "k_token_stride", "q_out_token_stride",
                         "k_out_token_stride", "positions_token_stride", "cos_token_stride",
                         "sin_token_stride")
 
-# Field for field the layout of cupyrope::RopeParams (kernels_cu/rope_params.cuh).
+# Field for field the layout of cupyrope::RopeParams.
 PARAMS_DTYPE = np.dtype(
     [(name, np.uint64) for name in ("q", "k", "q_out", "k_out", "positions", "cos", "sin",
                                     "inv_freq")]

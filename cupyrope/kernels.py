@@ -29,7 +29,7 @@ SOURCE_FILE = "rope.cu"
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One instantiation of ``cupyrope::rope_kernel``."""
+    """One instantiation of ``cupyrope::rope_kernel`` (or ``rope_lean_kernel``)."""
 
     dtype: str  # q / k dtype
     table_dtype: str  # cos / sin dtype (float32 placeholder for computed angles)
@@ -41,11 +41,13 @@ class KernelSpec:
 
     @property
     def name_expression(self) -> str:
+        """The instantiation, which is also this specialisation's key in the compiled module."""
+        kernel = "rope_lean_kernel" if self.lean else "rope_kernel"
         flags = (self.vector, self.interleaved)
         return (
-            f"cupyrope::rope_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
+            f"cupyrope::{kernel}<{CUDA_TYPE_NAMES[self.dtype]}, "
             f"{CUDA_TYPE_NAMES[self.table_dtype]}, {', '.join(str(f).lower() for f in flags)}, "
-            f"{int(self.source)}, {str(self.wide_index).lower()}, {str(self.lean).lower()}>"
+            f"{int(self.source)}, {str(self.wide_index).lower()}>"
         )
 
 

@@ -17,14 +17,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .abi import MAX_TOKEN_DIMS, PARAMS_DTYPE, AngleSource
+from .abi import MAX_TOKEN_DIMS, PARAMS_DTYPE, THREADS_PER_BLOCK, AngleSource, access_layout
 from .arrays import ArrayInfo, cupy_module, stream_is_capturing, upload
 from .dtypes import ITEMSIZE
 from .kernels import KernelSpec, get_kernel, is_compiled
 from .plan import RopePlan
 from .recipes import LaunchRecipe
 
-THREADS_PER_BLOCK = 256
 # CUDA's grid limits (every GPU since compute capability 3.0).
 MAX_GRID_X, MAX_GRID_Y = 2**31 - 1, 65535
 # Launches whose every offset (and token count) stays below this use 32-bit offsets. Half of the
@@ -52,16 +51,9 @@ def merge_token_dims(shape: tuple[int, ...], strides: list[tuple[int, ...]]):
     return tuple(out_shape), [tuple(s) for s in out_strides]
 
 
-def _pairs_per_thread(itemsize: int, vector: bool, interleaved: bool) -> tuple[int, int]:
-    """(elements per access, pairs per thread and head), as Layout in kernels_cu/rope.cu."""
-    access = 16 // itemsize if vector else 1
-    pairs = max(access // 2, 1) if interleaved else access
-    return access, pairs
-
-
 def _vector_path_ok(plan: RopePlan, operands: list[ArrayInfo], token_strides, copy_pass) -> bool:
     itemsize = ITEMSIZE[plan.q.dtype]
-    access, _ = _pairs_per_thread(itemsize, True, plan.interleaved)
+    access, _ = access_layout(itemsize, True, plan.interleaved)
     r, half = plan.rotary_dim, plan.rotary_dim // 2
     if (r if plan.interleaved else half) % access:
         return False
@@ -203,7 +195,7 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
     copy_pass = (not plan.inplace) and plan.rotary_dim < plan.head_dim
     vector = _vector_path_ok(plan, operands, rotated_strides, copy_pass)
     itemsize = ITEMSIZE[plan.q.dtype]
-    access, pairs = _pairs_per_thread(itemsize, vector, plan.interleaved)
+    access, pairs = access_layout(itemsize, vector, plan.interleaved)
 
     p = np.zeros((), dtype=PARAMS_DTYPE)
     p["num_tokens"] = plan.num_tokens

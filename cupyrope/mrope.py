@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
-# The kernels' mrope_mode values.
-MROPE_NONE, MROPE_SECTIONED, MROPE_INTERLEAVED = 0, 1, 2
+from .abi import MRopeMode
+
+MROPE_NONE, MROPE_SECTIONED, MROPE_INTERLEAVED = MRopeMode.NONE, MRopeMode.SECTIONED, MRopeMode.INTERLEAVED
 
 
 def mrope_layout(scaling: Mapping[str, Any] | None, rotary_dim: int, where: str):

@@ -8,6 +8,11 @@
 // where it is accurate to about one float32 ulp.
 #pragma once
 
+#include "numeric.cuh"
+#include "rope_params.cuh"
+#include "token_offsets.cuh"
+#include "vector_io.cuh"
+
 namespace cupyrope {
 
 // sin and cos on [-pi/4, pi/4]: minimax polynomials (Cephes sinf/cosf coefficients).
@@ -50,6 +55,77 @@ __device__ __forceinline__ void accurate_sincos(double angle, float* s, float* c
 // float64 arrays get float64 cos/sin: CUDA's sincos reduces large arguments exactly.
 __device__ __forceinline__ void accurate_sincos(double angle, double* s, double* c) {
   sincos(angle, s, c);
+}
+
+// cos/sin of the pairs [pair0, pair0 + P) of one token, from the launch's angle source (SOURCE).
+// Table-read angles come without the sign of sin (rotate_store applies it per head, so that the
+// first head's loads overlap this load); computed angles have it folded in. A cache row outside
+// the cache is never read: its pairs get NaN.
+template <int SOURCE, bool LEAN, int P, typename C, typename TableT, typename Index>
+__device__ __forceinline__ void chunk_angles(const RopeParams& p, const TokenOffsets<Index>& o,
+                                             long long position, Index pair0,
+                                             const TableT* __restrict__ cos_table,
+                                             const TableT* __restrict__ sin_table,
+                                             Index cos_col_stride, Index sin_col_stride,
+                                             bool table_vector_ok, C sin_sign, C (&cos_v)[P],
+                                             C (&sin_v)[P]) {
+  if constexpr (SOURCE == kComputedAngles) {
+    const C factor = static_cast<C>(p.attention_factor);
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const long long pos = LEAN ? position : pair_position(p, o.positions, position, pair0 + i);
+      C s, c;
+      accurate_sincos(static_cast<double>(pos) * p.inv_freq[pair0 + i], &s, &c);
+      cos_v[i] = c * factor;
+      sin_v[i] = s * factor * sin_sign;
+    }
+  } else {
+    Index cos_row = o.cos, sin_row = o.sin;
+    bool row_valid = true;
+    if constexpr (SOURCE == kCacheTable) {
+      row_valid = position >= 0 && position < p.max_position;
+      cos_row = sin_row =
+          row_valid ? static_cast<Index>(position) * static_cast<Index>(p.table_row_stride) : 0;
+    }
+    if (SOURCE == kCacheTable && !LEAN && p.mrope_mode) {
+      // M-RoPE from a cache: each pair reads the row of its own position component.
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        const long long pos = pair_position(p, o.positions, position, pair0 + i);
+        if (pos >= 0 && pos < p.max_position) {
+          const Index row = static_cast<Index>(pos) * static_cast<Index>(p.table_row_stride);
+          cos_v[i] = Convert<C>::from(cos_table[row + (pair0 + i) * cos_col_stride]);
+          sin_v[i] = Convert<C>::from(sin_table[row + (pair0 + i) * sin_col_stride]);
+        } else {
+          cos_v[i] = sin_v[i] = quiet_nan<C>();
+        }
+      }
+    } else if (row_valid) {
+      load_table(cos_v, cos_table + cos_row + pair0 * cos_col_stride, cos_col_stride,
+                 LEAN || table_vector_ok);
+      load_table(sin_v, sin_table + sin_row + pair0 * sin_col_stride, sin_col_stride,
+                 LEAN || table_vector_ok);
+    } else {
+#pragma unroll
+      for (int i = 0; i < P; ++i) cos_v[i] = sin_v[i] = quiet_nan<C>();
+    }
+  }
+}
+
+// The lean computed-angle kernel's prologue for one token: the threads of the token (`rank` of
+// `threads_per_token`) compute each of its `half` pairs' cos and sin (times the attention factor,
+// sin times sin_sign) once, into shared memory, where every head lane of the token reads them.
+template <typename C, typename Index>
+__device__ __forceinline__ void token_angles_to_shared(const RopeParams& p, double position,
+                                                       Index half, Index rank,
+                                                       Index threads_per_token, C factor,
+                                                       C sin_sign, C* token_cos, C* token_sin) {
+  for (Index j = rank; j < half; j += threads_per_token) {
+    C s, c;
+    accurate_sincos(position * p.inv_freq[j], &s, &c);
+    token_cos[j] = c * factor;
+    token_sin[j] = s * factor * sin_sign;
+  }
 }
 
 }  // namespace cupyrope

@@ -1,13 +1,24 @@
-// The one by-value argument of every rope kernel.
+// What the kernels share with Python: the one by-value argument of every rope kernel and the
+// numbers both sides must agree on. cupyrope/abi.py mirrors every name here, and
+// tests/test_abi.py checks the two against each other with NVRTC static_asserts.
 //
-// Every field is 8 bytes wide so that the layout has no padding; cupyrope/launch.py builds the
-// same layout as a NumPy structured dtype (PARAMS_DTYPE) and the test suite checks the two agree.
-// Offsets and strides are in elements, 64-bit, so tensors past 2^31 elements index correctly.
+// Every field of RopeParams is 8 bytes wide so that the layout has no padding (PARAMS_DTYPE in
+// abi.py is the same layout as a NumPy structured dtype). Offsets and strides are in elements,
+// 64-bit, so tensors past 2^31 elements index correctly.
 #pragma once
 
 namespace cupyrope {
 
 constexpr int kMaxTokenDims = 4;
+
+// The host launches at most this many threads a block (THREADS_PER_BLOCK in abi.py).
+constexpr int kMaxThreadsPerBlock = 256;
+
+// Where a kernel gets cos/sin from (the SOURCE template argument; AngleSource in abi.py).
+enum AngleSource : int { kCacheTable = 0, kTokenTables = 1, kComputedAngles = 2 };
+
+// M-RoPE layouts (RopeParams::mrope_mode; MRopeMode in abi.py).
+enum MRopeMode : int { kMRopeNone = 0, kMRopeSectioned = 1, kMRopeInterleaved = 2 };
 
 struct RopeParams {
   // Pointers. k / k_out are null when there is no k; positions is null for the implicit arange

@@ -6,6 +6,7 @@ import pytest
 
 import cupyrope as cr
 from cupyrope import launch
+from cupyrope.abi import access_layout
 from cupyrope.plan import plan_rope
 
 
@@ -18,7 +19,7 @@ def _geometry(T, D=128, hq=32, hk=8, rotary_dim=None, dtype="float32", inplace=F
     q = np.zeros((T, hq, D), dtype=dtype)
     k = np.zeros((T, hk, D), dtype=dtype)
     plan = plan_rope(q, k, rotary_dim=rotary_dim, inplace=inplace)
-    access, pairs = launch._pairs_per_thread(q.itemsize, True, False)
+    access, pairs = access_layout(q.itemsize, True, False)
     copy_pass = not inplace and plan.rotary_dim < D
     return launch.launch_geometry(plan, access, pairs, copy_pass, num_regs=61), plan
 

@@ -1,0 +1,121 @@
+// The rotation itself: a thread's chunk of pairs of one head loaded, rotated by cos/sin held in
+// registers and stored, for every head of q then k that the thread visits; and the copy of the
+// dims past rotary_dim out of place. Kernels that rotate (rope, and fused ops built on it) include
+// this and supply cos/sin however they get them.
+#pragma once
+
+#include "numeric.cuh"
+#include "rope_params.cuh"
+#include "token_offsets.cuh"
+#include "vector_io.cuh"
+
+namespace cupyrope {
+
+template <typename T, bool VECTOR, bool INTERLEAVED>
+struct Layout {
+  // Elements per access: 16 bytes on the vector path, one element on the scalar path.
+  static constexpr int access = VECTOR ? 16 / static_cast<int>(sizeof(T)) : 1;
+  // Pairs per thread and head: NeoX reads one access from each half (access pairs); interleaved
+  // reads pairs side by side, so one 16-byte access holds access / 2 of them.
+  static constexpr int pairs = INTERLEAVED ? (access >= 2 ? access / 2 : 1) : access;
+};
+
+// The elements of one head that one thread rotates: P pairs, as one access per half (NeoX) or
+// one access of side-by-side pairs (interleaved).
+template <typename T, int P, bool VECTOR, bool INTERLEAVED>
+struct HeadChunk {
+  T first[INTERLEAVED ? 2 * P : P];
+  T second[INTERLEAVED ? 1 : P];
+
+  template <typename Index>
+  __device__ __forceinline__ void load(const T* in, Index pair0, Index half) {
+    if constexpr (INTERLEAVED) {
+      load_elements<VECTOR>(first, in + 2 * pair0);
+    } else {
+      load_elements<VECTOR>(first, in + pair0);
+      load_elements<VECTOR>(second, in + half + pair0);
+    }
+  }
+
+  // sin_sign (+1, or -1 to rotate backwards) of table-read angles is applied here, per head, not
+  // once to sin_v after the load: a multiply there would make the first head's loads wait for the
+  // cos/sin load, where now the two loads overlap (docs/perf_log.md has the numbers). Computed
+  // angles fold the sign in when they are computed (no load to wait for) and pass +1.
+  template <typename C, typename Index>
+  __device__ __forceinline__ void rotate_store(T* out, Index pair0, Index half,
+                                               const C (&cos_v)[P], const C (&sin_v)[P],
+                                               C sin_sign) {
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      T& e1 = INTERLEAVED ? first[2 * i] : first[i];
+      T& e2 = INTERLEAVED ? first[2 * i + 1] : second[i];
+      const C x1 = Convert<C>::from(e1);
+      const C x2 = Convert<C>::from(e2);
+      e1 = Store<T>::from(x1 * cos_v[i] - sin_sign * (x2 * sin_v[i]));
+      e2 = Store<T>::from(x2 * cos_v[i] + sin_sign * (x1 * sin_v[i]));
+    }
+    if constexpr (INTERLEAVED) {
+      store_elements<VECTOR>(out + 2 * pair0, first);
+    } else {
+      store_elements<VECTOR>(out + pair0, first);
+      store_elements<VECTOR>(out + half + pair0, second);
+    }
+  }
+};
+
+// Input and output rows of head `head` of the current token: q's heads, then k's. No
+// __restrict__ anywhere on these: in place they are the same memory.
+template <typename T>
+struct HeadRows {
+  const T* in;
+  T* out;
+};
+
+template <typename T, typename Index>
+__device__ __forceinline__ HeadRows<T> head_rows(const RopeParams& p, const TokenOffsets<Index>& o,
+                                                 Index head) {
+  const Index num_q_heads = static_cast<Index>(p.num_q_heads);
+  if (head < num_q_heads) {
+    return {static_cast<const T*>(p.q) + o.q + head * static_cast<Index>(p.q_head_stride),
+            static_cast<T*>(p.q_out) + o.q_out + head * static_cast<Index>(p.q_out_head_stride)};
+  }
+  const Index kh = head - num_q_heads;
+  return {static_cast<const T*>(p.k) + o.k + kh * static_cast<Index>(p.k_head_stride),
+          static_cast<T*>(p.k_out) + o.k_out + kh * static_cast<Index>(p.k_out_head_stride)};
+}
+
+// Rotate the chunk of pairs starting at pair0 of every head this thread visits, with cos/sin
+// already in registers.
+template <typename T, int P, bool VECTOR, bool INTERLEAVED, typename C, typename Index>
+__device__ __forceinline__ void rotate_heads(const RopeParams& p, const TokenOffsets<Index>& o,
+                                             Index first_head, Index head_step, Index num_heads,
+                                             Index pair0, Index half, const C (&cos_v)[P],
+                                             const C (&sin_v)[P], C sin_sign) {
+  for (Index head = first_head; head < num_heads; head += head_step) {
+    const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
+    HeadChunk<T, P, VECTOR, INTERLEAVED> chunk;
+    chunk.load(rows.in, pair0, half);
+    chunk.rotate_store(rows.out, pair0, half, cos_v, sin_v, sin_sign);
+  }
+}
+
+// Copy this lane's share of the dims past rotary_dim (out of place only). No cos/sin are live
+// here, so the loop is unrolled to keep several heads' loads in flight.
+template <typename T, int ACCESS, bool VECTOR, typename Index>
+__device__ __forceinline__ void copy_pass_through(const RopeParams& p, const TokenOffsets<Index>& o,
+                                                  Index first_head, Index head_step,
+                                                  Index num_heads, Index rotary_dim,
+                                                  Index pass_chunks) {
+  for (Index c = threadIdx.x; c < pass_chunks; c += blockDim.x) {
+    const Index col = rotary_dim + c * ACCESS;
+#pragma unroll 4
+    for (Index head = first_head; head < num_heads; head += head_step) {
+      const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
+      T v[ACCESS];
+      load_elements<VECTOR>(v, rows.in + col);
+      store_elements<VECTOR>(rows.out + col, v);
+    }
+  }
+}
+
+}  // namespace cupyrope

@@ -1,0 +1,105 @@
+"""Everything the kernels share with Python (cupyrope/abi.py) matches the CUDA sources: the
+RopeParams layout byte for byte, the angle sources, the M-RoPE modes, the block size limit and the
+access layout of every dtype, pairing and width, all checked by NVRTC static_asserts (no GPU)."""
+
+import itertools
+
+import pytest
+
+from cupyrope import kernels
+from cupyrope.abi import (
+    MAX_TOKEN_DIMS,
+    PARAMS_DTYPE,
+    THREADS_PER_BLOCK,
+    AngleSource,
+    MRopeMode,
+    access_layout,
+)
+from cupyrope.dtypes import CUDA_TYPE_NAMES, ITEMSIZE
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+
+def _compile(source: str, name: str) -> str | None:
+    """None when NVRTC compiles ``source`` for sm_80, else its log."""
+    program = nvrtc.createProgram(source, name, [], [])
+    try:
+        nvrtc.compileProgram(program, list(kernels.compile_options()) + ["--gpu-architecture=sm_80"])
+        return None
+    except nvrtc.NVRTCError:
+        return nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def _constants_source() -> str:
+    checks = [f"static_assert(cupyrope::kMaxTokenDims == {MAX_TOKEN_DIMS}, \"kMaxTokenDims\");",
+              f"static_assert(cupyrope::kMaxThreadsPerBlock == {THREADS_PER_BLOCK}, \"threads\");",
+              f"static_assert(sizeof(cupyrope::RopeParams) == {PARAMS_DTYPE.itemsize}, \"size\");"]
+    cuda_sources = {"CACHE_TABLE": "kCacheTable", "TOKEN_TABLES": "kTokenTables",
+                    "COMPUTED": "kComputedAngles"}
+    assert set(cuda_sources) == {s.name for s in AngleSource}
+    for source in AngleSource:
+        checks.append(f"static_assert(cupyrope::{cuda_sources[source.name]} == {int(source)}, "
+                      f"\"AngleSource {source.name}\");")
+    cuda_modes = {"NONE": "kMRopeNone", "SECTIONED": "kMRopeSectioned",
+                  "INTERLEAVED": "kMRopeInterleaved"}
+    assert set(cuda_modes) == {m.name for m in MRopeMode}
+    for mode in MRopeMode:
+        checks.append(f"static_assert(cupyrope::{cuda_modes[mode.name]} == {int(mode)}, "
+                      f"\"MRopeMode {mode.name}\");")
+    for dtype, vector, interleaved in itertools.product(CUDA_TYPE_NAMES, (True, False), (True, False)):
+        access, pairs = access_layout(ITEMSIZE[dtype], vector, interleaved)
+        layout = (f"cupyrope::Layout<{CUDA_TYPE_NAMES[dtype]}, {str(vector).lower()}, "
+                  f"{str(interleaved).lower()}>")
+        checks.append(f"static_assert({layout}::access == {access}, \"access {layout}\");")
+        checks.append(f"static_assert({layout}::pairs == {pairs}, \"pairs {layout}\");")
+    for name in PARAMS_DTYPE.names:
+        field = PARAMS_DTYPE.fields[name][0]
+        checks.append(
+            f"static_assert(sizeof(((cupyrope::RopeParams*)0)->{name}) == {field.itemsize}, "
+            f"\"size of {name}\");")
+    return '#include "rotation.cuh"\n' + "\n".join(checks) + "\n"
+
+
+def test_shared_constants_match_the_cuda_sources():
+    log = _compile(_constants_source(), "abi.cu")
+    assert log is None, f"cupyrope/abi.py differs from the CUDA sources:\n{log}"
+
+
+def test_a_mismatch_fails_the_check():
+    """The check above is not vacuous: one wrong value makes NVRTC refuse the program."""
+    wrong = _constants_source().replace(f"kMaxTokenDims == {MAX_TOKEN_DIMS}",
+                                        f"kMaxTokenDims == {MAX_TOKEN_DIMS + 1}")
+    log = _compile(wrong, "abi_wrong.cu")
+    assert log is not None and "kMaxTokenDims" in log
+
+
+def _layout_source() -> str:
+    checks = ["using cupyrope::RopeParams;"]
+    for name in PARAMS_DTYPE.names:
+        offset = PARAMS_DTYPE.fields[name][1]
+        checks.append(
+            f"static_assert(__builtin_offsetof(RopeParams, {name}) == {offset}, "
+            f"\"offset of {name}\");")
+    return '#include "rope_params.cuh"\n' + "\n".join(checks) + "\n"
+
+
+def _nvrtc_has_offsetof() -> bool:
+    """Some NVRTC builds (seen with a CUDA 13.0 toolkit's) reject __builtin_offsetof."""
+    return _compile("struct S { long long a, b; };\n"
+                    "static_assert(__builtin_offsetof(S, b) == 8, \"b\");\n", "probe.cu") is None
+
+
+def test_params_struct_matches_numpy_dtype():
+    if not _nvrtc_has_offsetof():
+        pytest.skip(f"NVRTC {nvrtc.getVersion()} does not compile __builtin_offsetof")
+    log = _compile(_layout_source(), "layout.cu")
+    assert log is None, "RopeParams layout differs from PARAMS_DTYPE:\n" + str(log)
+
+
+def test_every_field_is_eight_bytes():
+    # No padding can appear between 8-byte fields, on any ABI.
+    for name in PARAMS_DTYPE.names:
+        field = PARAMS_DTYPE.fields[name][0]
+        assert field.base.itemsize == 8, name
