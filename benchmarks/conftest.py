@@ -1,4 +1,4 @@
-"""pytest-benchmark suite for cupyrope (SPEC §4), reporting GPU time.
+"""pytest-benchmark suite for cupyrope (docs/contract.md §4), reporting GPU time.
 
 Run on a GPU machine from the repository root::
 
@@ -12,13 +12,13 @@ How the reported time comes to be GPU time
 pytest-benchmark times a target with a *timer* it reads before and after ``iterations`` calls,
 records ``(end - start) / iterations`` per round, and its ``benchmark`` marker accepts that timer
 per test (``@pytest.mark.benchmark(timer=...)``, a documented option). The bandwidth and graph
-benchmarks pass :data:`cupyrope.benchmarking.GPU_CLOCK`: each reading records a CUDA event on the
+benchmarks pass :data:`cupyrope.bench.GPU_CLOCK`: each reading records a CUDA event on the
 current stream, and ``end - start`` synchronises on the end event and returns the GPU time between
 the events. So ``benchmark.pedantic(step, rounds=R, iterations=N)`` yields R samples of GPU time
 per call, and the min / median / mean columns pytest-benchmark prints are GPU microseconds.
 
 Before each start reading the clock enqueues a ``torch.cuda._sleep`` spin that lasts as long as the
-host needs to enqueue the N calls (measured while warming up, :func:`~cupyrope.benchmarking.plan_batches`):
+host needs to enqueue the N calls (measured while warming up, :func:`~cupyrope.bench.plan_batches`):
 the calls then run back to back on the GPU, and a launch-bound call (small T) is timed by its GPU
 time, not by Python. N is chosen so that a round lasts ~0.5 ms of GPU time (at most 200 calls); the
 inputs rotate round-robin among enough sets that every call reads DRAM, not L2.
@@ -45,7 +45,7 @@ import warnings
 
 import pytest
 
-from cupyrope import benchmarking as bm
+from cupyrope import bench as bm
 
 ROUNDS = 10        # timed rounds per case: pytest-benchmark's statistics are over these
 HOST_ROUNDS = 5    # rounds of 300 eager calls
@@ -239,8 +239,9 @@ def rope_bench(benchmark) -> RopeBench:
 
 
 def _summary_lines() -> list[str]:
-    lines = ["| group | impl | µs | GB/s | % of SM copy | max abs err | SPEC target |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    from tabulate import tabulate
+
+    rows = []
     for r in _RECORDS:
         err = r.get("max_abs_err")
         err_text = "" if err is None else f"{err:.3g}"
@@ -249,10 +250,11 @@ def _summary_lines() -> list[str]:
         pct, gbps = r.get("pct_of_copy"), r.get("gbps")
         target = r.get("spec_target_us")
         target_text = "" if target is None else f"≤ {target} µs: {'met' if r['meets_target'] else 'MISSED'}"
-        lines.append(f"| {r['group']} | {r['impl']} | {r['median_us']:.2f} | "
-                     f"{'' if gbps is None else f'{gbps:.0f}'} | "
-                     f"{'' if pct is None else f'{pct:.1f}'} | {err_text} | {target_text} |")
-    return lines
+        rows.append([r["group"], r["impl"], f"{r['median_us']:.2f}", "" if gbps is None else f"{gbps:.0f}",
+                     "" if pct is None else f"{pct:.1f}", err_text, target_text])
+    table = tabulate(rows, headers=["group", "impl", "µs", "GB/s", "% of SM copy", "max abs err",
+                                    "target"], tablefmt="github", disable_numparse=True)
+    return table.splitlines()
 
 
 def pytest_terminal_summary(terminalreporter):

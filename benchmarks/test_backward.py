@@ -1,4 +1,4 @@
-"""Training: forward + backward step, GPU time per step (SPEC §4: backward at the bandwidth of forward).
+"""Training: forward + backward step, GPU time per step (contract §4: backward at the bandwidth of forward).
 
 Reference shape (bf16 q [T, 32, 128], k [T, 8, 128], int64 positions, fp32 cache, NeoX) at
 T = 4096, 16384, 65536, two groups per T:
@@ -24,7 +24,7 @@ import functools
 
 import pytest
 
-from cupyrope import benchmarking as bm
+from cupyrope import bench as bm
 
 pytestmark = pytest.mark.benchmark(timer=bm.GPU_CLOCK)
 

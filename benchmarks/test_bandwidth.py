@@ -1,4 +1,4 @@
-"""Bandwidth: GPU time per eager call against the SM copy of the same bytes, in one run (SPEC §4).
+"""Bandwidth: GPU time per eager call against the SM copy of the same bytes, in one run (contract §4).
 
 One pytest-benchmark group per shape, the SM copy first in each (``pct_of_copy`` in extra_info):
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from cupyrope import benchmarking as bm
+from cupyrope import bench as bm
 
 pytestmark = pytest.mark.benchmark(timer=bm.GPU_CLOCK)
 

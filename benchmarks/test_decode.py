@@ -2,19 +2,19 @@
 
 - ``test_decode_graph``: a CUDA graph of 20 back-to-back calls (on 20 different input sets),
   replayed between CUDA events; the clock divides by 20, so the time is GPU time per call
-  (SPEC §4: <= 1.5 / 1.6 / 3.2 µs; SM copy 1.26 / 1.36 / 2.8).
+  (contract §4: <= 1.5 / 1.6 / 3.2 µs; SM copy 1.26 / 1.36 / 2.8).
 - ``test_host_overhead``: wall time of 300 eager calls from torch tensors and one synchronise,
-  divided by 300 (SPEC §4: <= 8 µs).
+  divided by 300 (contract §4: <= 8 µs).
 
 The SM copy and the peers run in the same groups; ``spec_target_us`` / ``meets_target`` in
-extra_info (and the summary) say whether cupyrope meets the SPEC target.
+extra_info (and the summary) say whether cupyrope meets the contract's target.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from cupyrope import benchmarking as bm
+from cupyrope import bench as bm
 
 DECODE_IMPLS = (
     "copy", "cupyrope-cache", "cupyrope-cache-inplace", "cupyrope-computed", "cupyrope-tables",

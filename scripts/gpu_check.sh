@@ -201,9 +201,9 @@ elif [[ -d benchmarks ]] && ! grep -rlq --include='*.py' -E '^\s*def test_' benc
 elif [[ -d benchmarks ]] && ! "${PY}" -c 'import pytest_benchmark' 2>/dev/null; then
     BENCH="not run (pytest-benchmark is not installed)"
 elif [[ -d benchmarks ]]; then
-    section "reference sweep (SPEC 4 shape): table, JSON and plot in ${OUT_DIR}/sweep"
+    section "reference sweep (the reference shape): table, JSON and plot in ${OUT_DIR}/sweep"
     timeout --signal=INT --kill-after=30 "${GPU_CHECK_BENCH_TIMEOUT:-300}" \
-        "${PY}" -m cupyrope.benchmarking --out "${OUT_DIR}/sweep" 2>&1 | tail -n 60
+        "${PY}" -m cupyrope bench --out "${OUT_DIR}/sweep" 2>&1 | tail -n 60
     section "benchmarks"
     budget="${GPU_CHECK_BENCH_TIMEOUT:-300}"
     CUPYROPE_BENCH_REPORT="${OUT_DIR}/bench_summary.md" timeout --signal=INT --kill-after=30 "${budget}" \

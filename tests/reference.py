@@ -1,6 +1,6 @@
 """An independent float64 reference for rotary position embedding (RoPE).
 
-Written plainly from the definitions in SPEC.md §2 and notes/api_decisions.md, with NumPy and ``math``
+Written plainly from the definitions in docs/contract.md §2 and docs/api_decisions.md, with NumPy and ``math``
 only: nothing here imports cupyrope, so a mistake shared by the library and its tests is unlikely.
 
 Pairing (``r`` = rotary_dim, ``j`` in ``range(r // 2)``)::

@@ -3,7 +3,7 @@
 - ``gradcheck`` / ``gradgradcheck`` in float64 on CUDA tensors for every angle source, both pairings,
   partial rotary and strided layouts (fused QKV views, ``[B, H, S, D]`` storage);
 - gradients in every dtype: the float64 reference's inverse rotation of the upstream gradient within
-  the forward's tolerance (SPEC §3), and float64 gradients against autograd of an independent torch
+  the forward's tolerance (docs/contract.md §3), and float64 gradients against autograd of an independent torch
   formulation;
 - the backward runs on the forward's stream (a side stream whose inputs are still being written);
 - ``torch.library.opcheck`` of both operators on CUDA;

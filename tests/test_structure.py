@@ -221,3 +221,17 @@ def test_float64_like_gets_a_float64_cache():
     assert cr.cos_sin_cache(4, 8, like=np.zeros(2, np.float32)).dtype == np.float32
     assert cr.cos_sin_cache(4, 8, like=np.zeros(2, np.float64), dtype="float32").dtype == np.float32
     assert cr.cos_sin_cache(4, 8).dtype == np.float32
+
+
+def test_the_library_never_imports_the_benchmark_package():
+    import subprocess
+    import sys
+
+    probe = ("import sys, numpy as np, cupyrope as cr\n"
+             "cr.apply_rope(np.ones((2, 1, 4), np.float32), positions=np.arange(2))\n"
+             "import cupyrope.compat, cupyrope.prepare\n"
+             "print(sorted(m for m in sys.modules if m.startswith('cupyrope.bench')))\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    import cupyrope.bench  # noqa: F401 - and it imports without a GPU or torch CUDA

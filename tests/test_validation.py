@@ -1,4 +1,4 @@
-"""Every documented validation error (notes/api_decisions.md, SPEC §5).
+"""Every documented validation error (docs/api_decisions.md, docs/contract.md §5).
 
 Each case asserts the exception type, that the message names the argument (and, where natural, what was
 given), and that nothing was written: q, k and the tables are bit-identical after the failed call, with
@@ -190,7 +190,7 @@ def test_bad_input_raises_and_writes_nothing(case, inplace, randn, rng):
 
 
 def test_rotary_dim_not_an_int(randn, rng):
-    """notes/api_decisions.md: 'rotary_dim must be an int' (a float is refused, naming rotary_dim)."""
+    """docs/api_decisions.md: 'rotary_dim must be an int' (a float is refused, naming rotary_dim)."""
     a = Inputs(randn, rng)
     with pytest.raises((TypeError, ValueError), match="rotary_dim"):
         cr.apply_rope(a.q, a.k, rotary_dim=float(D))

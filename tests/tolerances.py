@@ -1,6 +1,6 @@
 """The one tolerance table of the test suite, and the comparison against the float64 reference.
 
-Allowed error of one output element (SPEC §3), for an element of the pair (x1, x2)::
+Allowed error of one output element (docs/contract.md §3), for an element of the pair (x1, x2)::
 
     |out - ref| <= ulp_out(max(|ref|, |out|))                      # the final rounding to the output dtype
                  + C_COMPUTE * eps_compute * (|x1| + |x2|)         # float32 (or float64) arithmetic
