@@ -51,6 +51,9 @@ def _required_interop() -> list[str]:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU with CuPy (skipped when cupy.is_available() is false)")
+    # scripts/gpu_check.sh runs `-m "gpu or nvrtc"`: the GPU-relevant tests. Everything else is
+    # the NumPy path and the API layer, which CI covers on every commit.
+    config.addinivalue_line("markers", "nvrtc: compiles the CUDA sources with NVRTC (no GPU needed)")
     missing = []
     for name in _required_interop():
         try:

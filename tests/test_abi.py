@@ -19,6 +19,8 @@ from cupyrope.dtypes import CUDA_TYPE_NAMES, ITEMSIZE
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
+pytestmark = pytest.mark.nvrtc
+
 
 def _compile(source: str, name: str) -> str | None:
     """None when NVRTC compiles ``source`` for sm_80, else its log."""

@@ -24,6 +24,8 @@ import pytest
 
 from cupyrope import kernels
 
+pytestmark = pytest.mark.nvrtc
+
 ARCHITECTURES = ("sm_80", "sm_90")
 
 # ptxas -v prints, per function: "N bytes stack frame, N bytes spill stores, N bytes spill loads".
