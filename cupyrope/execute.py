@@ -58,8 +58,7 @@ def run(q, k, positions, cos_sin_cache, cos, sin, *, theta, scaling, interleaved
 
     recipe = rotate(plan, outputs)
     if plan.inplace:
-        for native in natives:
-            mark_written(native)
+        mark_written(*natives)
     if recipe is not None and key is not None:
         recipe.torch = plan.q.kind == "torch"
         if plan.inplace:

@@ -135,8 +135,8 @@ def call_key(q, k, positions, cos_sin_cache, cos, sin, options):
     if not (type(interleaved) is bool and type(inverse) is bool and type(inplace) is bool):
         return None
     try:
-        key = (tuple(metas), exact_key(theta), exact_key(scaling), interleaved,
-               exact_key(rotary_dim), inverse, inplace, exact_key(seq_len))
+        key = (tuple(metas), type(theta), theta, None if scaling is None else exact_key(scaling),
+               interleaved, type(rotary_dim), rotary_dim, inverse, inplace, type(seq_len), seq_len)
         hash(key)
     except TypeError:  # an unhashable option (e.g. theta given as an array): full path
         return None
@@ -184,7 +184,5 @@ def replay(recipe: LaunchRecipe, q, k, pointers, inplace: bool):
     recipe.launch(q, q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr or cos_ptr,
                   sin_ptr)
     if inplace and recipe.torch:
-        mark_written(q)
-        if k is not None:
-            mark_written(k)
+        mark_written(q, k)
     return q_out if k is None else (q_out, k_out)
