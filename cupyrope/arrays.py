@@ -367,9 +367,8 @@ def in_place_refusal(info: ArrayInfo) -> str | None:
     return None
 
 
-def inference_tensor_outside_inference_mode(x) -> bool:
-    """The repeat-call path's form of :func:`in_place_refusal` for a CUDA torch tensor."""
-    return x.is_inference() and not _torch().is_inference_mode_enabled()
+def inference_mode_enabled() -> bool:
+    return _torch().is_inference_mode_enabled()
 
 
 def mark_written(*tensors) -> None:
@@ -377,20 +376,13 @@ def mark_written(*tensors) -> None:
     counters), so that autograd refuses a backward through values saved before the write."""
     written = tuple(x for x in tensors if x is not None and _module_of(x) == "torch")
     if written:
-        _increment_version(written)
+        bump_versions(written)
 
 
-def _increment_version(tensors: tuple) -> None:
-    global _increment_version
-    # torch's own entry takes a sequence of tensors (a single tensor would be iterated row by row).
-    _increment_version = _torch()._C._increment_version  # ~0.1 us per call from now on
-    _increment_version(tensors)
-
-
-def _increment_version(x) -> None:
-    global _increment_version
-    _increment_version = _torch()._C._increment_version  # ~0.1 us per call from now on
-    _increment_version(x)
+def bump_versions(tensors: tuple) -> None:
+    """:func:`mark_written` for a tuple of torch tensors (the repeat-call path's form). torch's
+    own entry takes a sequence: a single tensor would be iterated row by row."""
+    _torch()._C._increment_version(tensors)
 
 
 def new_gpu_outputs(q, k):

@@ -15,8 +15,8 @@ import struct
 import threading
 
 from .abi import PARAMS_DTYPE
-from .arrays import (cupy_module, current_stream, gpu_array_key, inference_tensor_outside_inference_mode,
-                     mark_written, new_gpu_outputs)
+from .arrays import (bump_versions, cupy_module, current_stream, gpu_array_key, inference_mode_enabled,
+                     new_gpu_outputs)
 from .scaling import exact_key
 
 _ParamsWords = ctypes.c_uint64 * (PARAMS_DTYPE.itemsize // 8)
@@ -32,7 +32,7 @@ class LaunchRecipe:
     the same shapes, strides, dtypes and alignment only fills in pointers and launches."""
 
     __slots__ = ("function_ptr", "device", "grid", "block", "shared_bytes", "sin_offset", "vector",
-                 "keep_alive", "spec", "torch", "spans", "overlapping", "_words", "_argv_address",
+                 "keep_alive", "spec", "torch", "in_place_checks", "_words", "_argv_address",
                  "_argv", "_lock", "_runtime", "_driver")
 
     def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive,
@@ -47,7 +47,7 @@ class LaunchRecipe:
         self.keep_alive = keep_alive  # device constants the parameters point at
         self.spec = spec  # the KernelSpec launched (tests read it)
         self.torch = False  # torch arrays: in-place writes bump their version counters
-        self.spans, self.overlapping = (None,) * 6, ()  # see guard_in_place
+        self.in_place_checks = ()  # see guard_in_place
         # The parameter block is reused: only its pointer fields change between calls, and
         # cuLaunchKernel copies it before returning, so a lock around fill + launch suffices.
         self._words = _ParamsWords.from_buffer_copy(params.tobytes())
@@ -145,37 +145,42 @@ def call_key(q, k, positions, cos_sin_cache, cos, sin, options):
 
 def guard_in_place(recipe: LaunchRecipe, spans, pointers) -> None:
     """Let ``recipe`` replay in place only where no written array can share an element with
-    another operand: ``spans`` are the (low, high) byte spans of the operands (None where absent),
-    and ``pointers`` the ones the full path checked exactly."""
-    recipe.spans = tuple(spans)
-    recipe.overlapping = _overlapping(recipe.spans, pointers)
-
-
-def _overlapping(spans, pointers):
-    """(written, other, pointer distance) of every pair of operands whose byte ranges intersect:
-    q and k are written; the others are read."""
-    found = []
+    another operand. ``spans`` are the operands' (low, high) byte spans from their pointers (None
+    where absent) and ``pointers`` those the full path checked exactly: a replay whose written and
+    other operands' address ranges meet must meet at the same distances, else the full path
+    decides again (disjoint ranges never share an element)."""
+    checks = []
     for w in (0, 1):
         if spans[w] is None:
             continue
-        w_low, w_high = pointers[w] + spans[w][0], pointers[w] + spans[w][1]
         for o in range(w + 1, len(spans)):
-            if spans[o] is not None and pointers[o] + spans[o][0] < w_high \
-                    and w_low < pointers[o] + spans[o][1]:
-                found.append((w, o, pointers[o] - pointers[w]))
-    return tuple(found)
+            if spans[o] is not None:
+                distance = pointers[o] - pointers[w]
+                met = distance + spans[o][0] < spans[w][1] and spans[w][0] < distance + spans[o][1]
+                checks.append((w, o, spans[w][0] - spans[o][1], spans[w][1] - spans[o][0],
+                               distance if met else None))
+    recipe.in_place_checks = tuple(checks)
+
+
+def _meets_as_checked(recipe: LaunchRecipe, pointers) -> bool:
+    """Whether every pair of operands whose address ranges meet now met at the same distance when
+    the full path checked them."""
+    for w, o, low, high, checked in recipe.in_place_checks:
+        distance = pointers[o] - pointers[w]
+        if low < distance < high and distance != checked:  # the ranges meet, unlike as checked
+            return False
+    return True
 
 
 def replay(recipe: LaunchRecipe, q, k, pointers, inplace: bool):
     """Run a cached recipe on new arrays; None when the full path must decide instead."""
     q_ptr, k_ptr, positions_ptr, cache_ptr, cos_ptr, sin_ptr = pointers
     if inplace:
-        # Byte ranges that intersect other than as the full path checked them: it decides again.
-        if _overlapping(recipe.spans, pointers) != recipe.overlapping:
+        if recipe.in_place_checks and not _meets_as_checked(recipe, pointers):
             return None
-        if recipe.torch and (inference_tensor_outside_inference_mode(q) or
-                             (k is not None and inference_tensor_outside_inference_mode(k))):
-            return None
+        if recipe.torch and (q.is_inference() or (k is not None and k.is_inference())) \
+                and not inference_mode_enabled():
+            return None  # torch refuses this write: the full path raises its error
         q_out, k_out, q_out_ptr, k_out_ptr = q, k, q_ptr, k_ptr
     else:
         q_out, q_out_ptr, k_out, k_out_ptr = new_gpu_outputs(q, k)
@@ -184,5 +189,5 @@ def replay(recipe: LaunchRecipe, q, k, pointers, inplace: bool):
     recipe.launch(q, q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr or cos_ptr,
                   sin_ptr)
     if inplace and recipe.torch:
-        mark_written(q, k)
+        bump_versions((q,) if k is None else (q, k))
     return q_out if k is None else (q_out, k_out)

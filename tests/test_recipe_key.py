@@ -42,3 +42,19 @@ def test_layout_and_options_change_the_key():
     assert _key(q)[0] != _key(transposed)[0]
     assert _key(q)[0] != _key(q, interleaved=True)[0]
     assert _key(q, interleaved=1) is None  # a non-bool flag goes to the full path and its check
+
+
+def test_in_place_replays_only_where_ranges_meet_as_the_full_path_checked():
+    class Recipe:
+        pass
+
+    spans = [(0, 100), (0, 50), None, (0, 8), None, None]  # q, k, positions, cache
+    recipe = Recipe()
+    recipes.guard_in_place(recipe, spans, [1000, 2000, 0, 4000, 0, 0])  # all apart when checked
+    assert recipes._meets_as_checked(recipe, [5000, 9000, 0, 3000, 0, 0])  # still apart
+    assert not recipes._meets_as_checked(recipe, [5000, 5050, 0, 3000, 0, 0])  # q and k now meet
+    assert not recipes._meets_as_checked(recipe, [5000, 9000, 0, 5096, 0, 0])  # the cache in q
+    # fused QKV: k's range inside q's, checked exactly at a distance of 64 bytes
+    recipes.guard_in_place(recipe, spans, [1000, 1064, 0, 4000, 0, 0])
+    assert recipes._meets_as_checked(recipe, [7000, 7064, 0, 9000, 0, 0])
+    assert not recipes._meets_as_checked(recipe, [7000, 7032, 0, 9000, 0, 0])
