@@ -17,7 +17,7 @@
 #
 # Knobs (environment):
 #   GPU_CHECK_SUITE=0             skip the test suite (e.g. for a sanitizer-only run)
-#   GPU_CHECK_WORKERS=8           pytest-xdist workers for the suite (GPU tests share the one GPU)
+#   GPU_CHECK_WORKERS=12          pytest-xdist workers for the suite (GPU tests share the one GPU)
 #   GPU_CHECK_BENCH=0             skip the benchmarks
 #   GPU_CHECK_BENCH_TIMEOUT=150   seconds the pytest benchmarks may take at most
 #   GPU_CHECK_SWEEP=1             also run the reference sweep (python -m cupyrope bench: table,
@@ -121,13 +121,13 @@ if [[ "${GPU_CHECK_SUITE:-1}" != 0 ]]; then
     fi
     XDIST_ARGS=()
     if "${PY}" -c 'import xdist' 2>/dev/null; then
-        XDIST_ARGS=(-n "${GPU_CHECK_WORKERS:-8}")
+        XDIST_ARGS=(-n "${GPU_CHECK_WORKERS:-12}")
     else
         echo "(pytest-xdist is not installed: running on one worker)"
     fi
     # The GPU-relevant suite: tests marked gpu, and the NVRTC tests (this machine's NVRTC may
     # differ from CI's). The pure NumPy-path tests run in CI.
-    "${PY}" -m pytest tests -m "gpu or nvrtc" -q -rs --maxfail=25 ${XDIST_ARGS[@]+"${XDIST_ARGS[@]}"} \
+    "${PY}" -m pytest tests -m "gpu or nvrtc" -q -rs --maxfail=25 --durations=12 ${XDIST_ARGS[@]+"${XDIST_ARGS[@]}"} \
         ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} -p no:cacheprovider 2>&1 | tee "${OUT_DIR}/pytest.log"
     PYTEST_STATUS=${PIPESTATUS[0]}
     # pytest's last line, e.g. "250 passed, 3 skipped in 95.21s (0:01:35)".
@@ -223,7 +223,7 @@ elif [[ -d benchmarks ]]; then
     section "benchmarks"
     budget="${GPU_CHECK_BENCH_TIMEOUT:-150}"
     CUPYROPE_BENCH_REPORT="${OUT_DIR}/bench_summary.md" timeout --signal=INT --kill-after=30 "${budget}" \
-        "${PY}" -m pytest benchmarks --benchmark-only -q -p no:cacheprovider 2>&1 \
+        "${PY}" -m pytest benchmarks --benchmark-only -q -p no:cacheprovider --durations=8 2>&1 \
         | tee "${OUT_DIR}/bench.log"
     bench_status=${PIPESTATUS[0]}
     BENCH="exit ${bench_status}$([[ ${bench_status} -eq 124 ]] && echo " (timed out after ${budget}s)"), see bench.log"
