@@ -387,31 +387,6 @@ def test_head_counts(rng, hq, hk, inplace):
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
-@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
-def test_fused_qkv_views(rng, interleaved, inplace):
-    t, hq, hk, d = 53, 8, 2, 128
-    dtype = BF16
-    item = np.dtype(np_dtype(dtype)).itemsize
-    before = random_host(rng, (t, (hq + 2 * hk) * d), dtype)
-    buf = to_gpu(before)
-    q = buf[:, : hq * d].reshape(t, hq, d)
-    k = buf[:, hq * d : (hq + hk) * d].reshape(t, hk, d)
-    # The reshapes must be views into buf, not copies.
-    assert q.data.ptr == buf.data.ptr and k.data.ptr == buf.data.ptr + hq * d * item
-    assert q.strides == ((hq + 2 * hk) * d * item, d * item, item)
-    positions = random_positions(rng, (t,))
-    angles = cache_angles(q, positions, d)
-    outs = rope_and_check(q, k, angles, rotary_dim=d, interleaved=interleaved, inplace=inplace)
-    after = to_host(buf)
-    assert_bits_equal(after[:, (hq + hk) * d :], before[:, (hq + hk) * d :], what="v part of qkv")
-    if inplace:
-        # What apply_rope returned is the content of buf's q and k parts.
-        assert_bits_equal(after[:, : hq * d].reshape(t, hq, d), to_host(outs[0]), what="q in buf")
-    else:
-        assert_bits_equal(after, before, what="qkv buffer after an out-of-place call")
-
-
-@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
 @pytest.mark.parametrize("pad", [8, 1], ids=["pad8_vector", "pad1_scalar"])
 def test_padded_head_stride(rng, pad, inplace):
     """Heads strided wider than head_dim; the padding holds NaN that must never leak or change."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import cupyrope as cr
+from backends import angle_source, reference_tables
 from reference import (
     default_positions,
     reference_angles,
@@ -41,56 +42,6 @@ MAX_POSITION = 4096
 
 # ----------------------------------------------------------------------------------------------------
 # helpers
-
-
-def reference_tables(positions, rotary_dim, *, theta=THETA, width="half", interleaved=False,
-                     dtype="float32", linear_factor=1.0):
-    """cos, sin per-token tables built from reference angles (float64), rounded to ``dtype``.
-
-    width "half": [..., r/2]; "full": Hugging Face layout [..., r] (halves repeated for NeoX, each value
-    repeated twice for interleaved).
-    """
-    angles = reference_angles(positions, reference_inv_freq(rotary_dim, theta, linear_factor))
-    c, s = np.cos(angles), np.sin(angles)
-    if width == "full":
-        if interleaved:
-            c, s = np.repeat(c, 2, axis=-1), np.repeat(s, 2, axis=-1)
-        else:
-            c, s = np.concatenate([c, c], axis=-1), np.concatenate([s, s], axis=-1)
-    dt = np_dtype(dtype)
-    return c.astype(dt), s.astype(dt)
-
-
-def angle_source(source, token_shape, positions, rotary_dim, *, interleaved, theta=THETA,
-                 table_dtype="float32", max_position=MAX_POSITION, pass_rotary_dim=True):
-    """(library kwargs, reference kwargs, check kwargs) for one angle source.
-
-    The reference sees the very tables handed to the library (so the check needs no table term);
-    ``exact`` (cache only) is a second reference from exact angles, which needs the table term.
-    """
-    if source == "cache":
-        cache = cr.cos_sin_cache(max_position, rotary_dim, theta=theta, dtype=table_dtype)
-        lib = {"positions": positions, "cos_sin_cache": cache}
-        ref = {"positions": positions, "cos_sin_cache": cache}
-        return lib, ref, {}
-    if source in ("tables_half", "tables_full"):
-        pos = default_positions(token_shape) if positions is None else positions
-        pos = np.broadcast_to(pos, token_shape)
-        width = "half" if source == "tables_half" else "full"
-        c, s = reference_tables(pos, rotary_dim, theta=theta, width=width, interleaved=interleaved,
-                                dtype=table_dtype)
-        lib = {"cos": c, "sin": s}
-        if width == "half" or pass_rotary_dim:
-            lib["rotary_dim"] = rotary_dim
-        ref = {"cos": c, "sin": s, "rotary_dim": rotary_dim}
-        return lib, ref, {}
-    assert source == "computed"
-    pos = default_positions(token_shape) if positions is None else positions
-    lib = {"positions": positions, "theta": theta}
-    if pass_rotary_dim:
-        lib["rotary_dim"] = rotary_dim
-    ref = {"positions": positions, "theta": theta, "rotary_dim": rotary_dim}
-    return lib, ref, {"max_angle": max_abs_angle(pos, reference_inv_freq(rotary_dim, theta))}
 
 
 def snapshot(*arrays):
@@ -310,21 +261,6 @@ def test_transposed_bhsd_view(source, inplace, randn, rng):
     outs, (q0, k0) = run_and_check(q, k, source, D, interleaved=False, positions=positions, inplace=inplace)
     if inplace:  # the writes landed in the [B, H, S, D] storage
         assert_bits_equal(storage_q.transpose(0, 2, 1, 3), outs[0], what="storage_q")
-
-
-@pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
-def test_fused_qkv_views(source, interleaved, inplace, randn, rng):
-    T, Hq, Hk, D = 9, 8, 2, 64
-    qkv = randn((T, (Hq + 2 * Hk) * D), "float16")  # one packed projection output
-    view = qkv.reshape(T, Hq + 2 * Hk, D)
-    q = view[:, :Hq]
-    k = view[:, Hq:Hq + Hk]
-    v_before = np.array(view[:, Hq + Hk:], copy=True)
-    positions = rng.integers(0, MAX_POSITION, size=T).astype(np.int32)
-    run_and_check(q, k, source, D, interleaved=interleaved, positions=positions, inplace=inplace)
-    assert_bits_equal(view[:, Hq + Hk:], v_before, what="v part of the fused buffer")
 
 
 @pytest.mark.parametrize("inplace", [False, True])
