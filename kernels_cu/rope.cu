@@ -35,6 +35,30 @@ struct MinBlocksPerSM {
   static constexpr int value = (WIDE ? 4 : 5) - (heavy ? 1 : 0);
 };
 
+// A launch's extent as one thread sees it: the rotary pairs and their chunks, the pass-through
+// chunks (out of place), the heads and tokens, and this thread's first head and strides.
+template <typename Index>
+struct Work {
+  Index rotary_dim, half, num_chunks, pass_chunks, num_heads, num_tokens;
+  Index first_head, head_step, token_step;
+};
+
+template <typename Index, int P, int ACCESS>
+__device__ __forceinline__ Work<Index> work_of(const RopeParams& p) {
+  Work<Index> w;
+  w.rotary_dim = static_cast<Index>(p.rotary_dim);
+  w.half = w.rotary_dim / 2;
+  w.num_chunks = w.half / P;
+  w.pass_chunks =
+      p.copy_pass_through ? (static_cast<Index>(p.head_dim) - w.rotary_dim) / ACCESS : 0;
+  w.num_heads = static_cast<Index>(p.num_q_heads + p.num_k_heads);
+  w.num_tokens = static_cast<Index>(p.num_tokens);
+  w.first_head = static_cast<Index>(blockIdx.y) * blockDim.y + threadIdx.y;
+  w.head_step = static_cast<Index>(gridDim.y) * blockDim.y;
+  w.token_step = static_cast<Index>(gridDim.x) * blockDim.z;
+  return w;
+}
+
 // Every token this thread's block strides over: cos/sin of each lane's chunk (angles.cuh), then
 // every head this thread visits rotated with them, then the pass-through copy.
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
@@ -47,20 +71,14 @@ __device__ __forceinline__ void rope_tokens(const RopeParams& p) {
 
   const TableT* __restrict__ cos_table = static_cast<const TableT*>(p.cos);
   const TableT* __restrict__ sin_table = static_cast<const TableT*>(p.sin);
-  const Index rotary_dim = static_cast<Index>(p.rotary_dim);
-  const Index half = rotary_dim / 2;
-  const Index num_chunks = half / P;
-  const Index pass_chunks =
-      p.copy_pass_through ? (static_cast<Index>(p.head_dim) - rotary_dim) / L::access : 0;
-  const Index num_heads = static_cast<Index>(p.num_q_heads + p.num_k_heads);
-  const Index num_tokens = static_cast<Index>(p.num_tokens);
+  const Work<Index> w = work_of<Index, P, L::access>(p);
+  const Index rotary_dim = w.rotary_dim, half = w.half, num_chunks = w.num_chunks;
+  const Index pass_chunks = w.pass_chunks, num_heads = w.num_heads, num_tokens = w.num_tokens;
+  const Index first_head = w.first_head, head_step = w.head_step, token_step = w.token_step;
   const Index cos_col_stride = static_cast<Index>(p.cos_col_stride);
   const Index sin_col_stride = static_cast<Index>(p.sin_col_stride);
-  const Index first_head = static_cast<Index>(blockIdx.y) * blockDim.y + threadIdx.y;
-  const Index head_step = static_cast<Index>(gridDim.y) * blockDim.y;
   const C sin_sign = static_cast<C>(p.sin_sign);
   const bool table_vector_ok = p.table_vector_ok != 0;
-  const Index token_step = static_cast<Index>(gridDim.x) * blockDim.z;
 
   for (Index token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
        token < num_tokens; token += token_step) {
@@ -99,17 +117,11 @@ __device__ __forceinline__ void rope_tokens_shared_angles(const RopeParams& p) {
   using L = Layout<T, VECTOR, INTERLEAVED>;
   constexpr int P = L::pairs;
 
-  const Index rotary_dim = static_cast<Index>(p.rotary_dim);
-  const Index half = rotary_dim / 2;
-  const Index num_chunks = half / P;
-  const Index pass_chunks =
-      p.copy_pass_through ? (static_cast<Index>(p.head_dim) - rotary_dim) / L::access : 0;
-  const Index num_heads = static_cast<Index>(p.num_q_heads + p.num_k_heads);
-  const Index num_tokens = static_cast<Index>(p.num_tokens);
-  const Index first_head = static_cast<Index>(blockIdx.y) * blockDim.y + threadIdx.y;
-  const Index head_step = static_cast<Index>(gridDim.y) * blockDim.y;
+  const Work<Index> w = work_of<Index, P, L::access>(p);
+  const Index rotary_dim = w.rotary_dim, half = w.half, num_chunks = w.num_chunks;
+  const Index pass_chunks = w.pass_chunks, num_heads = w.num_heads, num_tokens = w.num_tokens;
+  const Index first_head = w.first_head, head_step = w.head_step, token_step = w.token_step;
   const C sin_sign = static_cast<C>(p.sin_sign);
-  const Index token_step = static_cast<Index>(gridDim.x) * blockDim.z;
 
   extern __shared__ __align__(16) unsigned char shared_angles[];
   C* const token_cos = reinterpret_cast<C*>(shared_angles) + threadIdx.z * 2 * half;
