@@ -66,6 +66,8 @@ class Backend:
         import jax
         import jax.numpy as jnp
 
+        if host.dtype == np.float64 and not jax.config.jax_enable_x64:
+            pytest.skip("JAX without jax_enable_x64 makes float64 arrays float32")
         device = jax.devices("gpu" if self.on_gpu else "cpu")[0]
         return jax.device_put(jnp.asarray(host), device)
 
@@ -185,6 +187,6 @@ def rope_and_check(backend: Backend, q, k, source, rotary_dim, *, interleaved, p
         ref = reference_rope(x0, interleaved=interleaved, inverse=inverse, **ref_kw)
         assert_rope_close(backend.get(out), ref, x0, interleaved=interleaved, rotary_dim=rotary_dim,
                           **check)
-    for name, before in host_inputs.items():
+    for name, before in host_inputs.items() if backend.mutable else ():  # JAX arrays never change
         assert_bits_equal(backend.get(lib[name]), before, what=f"{name} after the call")
     return outs

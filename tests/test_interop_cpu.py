@@ -248,17 +248,6 @@ def test_jax(dtype, source, jx, randn, rng):
                                 cache=cache, tables=tables, inverse=True)
 
 
-@pytest.mark.parametrize("with_k", [False, True])
-def test_jax_inplace_raises(with_k, jx, randn, rng):
-    jnp = jx.numpy
-    q_np = randn((5, 2, 32), "float32")
-    q = jnp.asarray(q_np)
-    k = jnp.asarray(randn((5, 1, 32), "float32")) if with_k else None
-    with pytest.raises(TypeError, match=r"(?i)in-?place|inplace"):
-        cr.apply_rope(q, k, jnp.asarray(rng.integers(0, 10, size=5).astype(np.int32)), inplace=True)
-    assert_bits_equal(np.asarray(q), q_np, what="jax q")
-
-
 # ----------------------------------------------------------------------------------------------------
 # NumPy and other DLPack producers
 
