@@ -25,7 +25,7 @@ Gradients (``custom_vjp``): the gradient of a rotation is the inverse rotation o
 so the backward pass is the same callback with ``inverse`` flipped, for q and k in one launch.
 Positions, tables and ``theta`` get no cotangent (zero), as in the torch path.
 
-Argument errors are raised while tracing (the checks run on stand-ins of the traced shapes and
+Argument errors are raised while tracing (the checks run on the traced shapes and
 dtypes), with the same exception types and messages as eager calls. ``validate=True`` reads the
 positions inside the callback: an out-of-range position then surfaces as a ``JaxRuntimeError``
 carrying the IndexError's message, when the computation runs.

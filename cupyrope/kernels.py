@@ -208,7 +208,6 @@ def warmup(
     >>> cr.warmup(dtypes=("bfloat16",), sources=("cache",), interleaved=(False,))  # doctest: +SKIP
     3
     """
-    cupy = cupy_module()
     wanted_sources = {_as_source(s) for s in sources}
     if isinstance(dtypes, str) or isinstance(table_dtypes, str):
         raise TypeError("warmup: dtypes and table_dtypes are collections of dtypes, e.g. "
