@@ -253,7 +253,8 @@ def _summary_lines() -> list[str]:
         rows.append([r["group"], r["impl"], f"{r['median_us']:.2f}", "" if gbps is None else f"{gbps:.0f}",
                      "" if pct is None else f"{pct:.1f}", err_text, target_text])
     table = tabulate(rows, headers=["group", "impl", "µs", "GB/s", "% of SM copy", "max abs err",
-                                    "target"], tablefmt="github", disable_numparse=True)
+                                    "target"], tablefmt="pipe", disable_numparse=True,
+                     colalign=("left", "left", "right", "right", "right", "right", "left"))
     return table.splitlines()
 
 

@@ -19,7 +19,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only without torch
     torch = None
 
-try:  # a progress bar when tqdm is installed (the bench extra brings it), plain notes otherwise
+try:  # a progress bar when tqdm is installed (the bench extra brings it); none otherwise
     from tqdm.auto import tqdm
 except ImportError:  # pragma: no cover - depends on the install
     tqdm = None
@@ -68,8 +68,9 @@ def reference_sweep(tokens: Sequence[int] = REFERENCE_TOKENS, *, impls: Sequence
                disable=not progress) if tqdm is not None else None
 
     def note(text: str) -> None:
+        # tqdm.write clears the bar, prints the line and redraws the bar below it.
         if bar is not None:
-            note(text)
+            bar.write(text, file=sys.stderr)
         else:
             print(text, file=sys.stderr)
 
@@ -133,13 +134,13 @@ def format_table(rows: Sequence[Row], gpu_name: str | None = None) -> str:
     lines = tabulate([[r.impl, r.tokens, f"{r.us:.2f}", f"{r.gbps:.0f}", f"{r.pct_of_copy:.1f}",
                        "" if r.max_abs_err is None else f"{r.max_abs_err:.3g}"] for r in rows],
                      headers=["impl", "T", "µs", "GB/s", "% of SM copy", "max abs err"],
-                     tablefmt="github", disable_numparse=True,
+                     tablefmt="pipe", disable_numparse=True,
                      colalign=("left", "right", "right", "right", "right", "right"))
     tokens = sorted({r.tokens for r in rows})
     by_key = {(r.impl, r.tokens): r for r in rows}
     pivot = tabulate([[impl] + [f"{by_key[(impl, t)].pct_of_copy:.1f}" if (impl, t) in by_key else ""
                                 for t in tokens] for impl in dict.fromkeys(r.impl for r in rows)],
-                     headers=["impl"] + [f"T={t}" for t in tokens], tablefmt="github",
+                     headers=["impl"] + [f"T={t}" for t in tokens], tablefmt="pipe",
                      disable_numparse=True, colalign=("left",) + ("right",) * len(tokens))
     return "\n".join([header, "", lines, "", "% of SM copy (copy time / impl time):", "", pivot])
 

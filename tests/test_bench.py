@@ -1,0 +1,84 @@
+"""The benchmark package on a machine without a GPU: its command line, the sweep's control flow
+(skipped peers, failing cases, rows), the markdown table and the host-time loop. The timings
+themselves need a GPU (``benchmarks/``, ``python -m cupyrope.bench``); here the GPU clock is
+replaced by fixed numbers and the data lives on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("tabulate")
+
+from cupyrope.bench import sweep, workloads  # noqa: E402
+
+
+@pytest.fixture
+def cpu_sweep(monkeypatch):
+    """reference_sweep on CPU tensors with a fake GPU clock: the copy takes 2 µs, the rest 4 µs;
+    Liger is unavailable and cupyrope-tables raises."""
+    monkeypatch.setattr(sweep, "require_cuda", lambda: torch)
+    monkeypatch.setattr(sweep, "RopeData", lambda shape: workloads.RopeData(shape, device="cpu"))
+
+    def fake_gpu_time_us(fn, *, rotate_inputs, warmup, repeats):
+        fn(*rotate_inputs[0])  # the workload must run
+        return 2.0 if fn.__name__ == "copy" else 4.0
+
+    monkeypatch.setattr(sweep, "gpu_time_us", fake_gpu_time_us)
+    status = {impl: None for impl in workloads.PEER_IMPLS}
+    status["liger-inplace"] = "liger_kernel.ops.rope cannot be imported (not installed)"
+    monkeypatch.setattr(sweep, "peer_status", lambda: status)
+    real_make_workload = sweep.make_workload
+
+    def make_workload(impl, data):
+        if impl == "cupyrope-tables":
+            raise RuntimeError("tables broke")
+        return real_make_workload(impl, data)
+
+    monkeypatch.setattr(sweep, "make_workload", make_workload)
+
+
+@pytest.mark.parametrize("with_tqdm", [True, False], ids=["tqdm", "no-tqdm"])
+def test_sweep_notes_skips_and_failures_and_keeps_measuring(cpu_sweep, monkeypatch, capsys, with_tqdm):
+    if with_tqdm:
+        pytest.importorskip("tqdm")
+    else:
+        monkeypatch.setattr(sweep, "tqdm", None)
+    failures: list[str] = []
+    rows = sweep.reference_sweep([8], impls=["cupyrope-tables", "cupyrope-cache", "liger-inplace"],
+                                 failures=failures)
+    err = capsys.readouterr().err
+    assert "skipping liger-inplace: liger_kernel.ops.rope cannot be imported" in err
+    assert len(failures) == 1 and failures[0].startswith("T=8 cupyrope-tables: FAILED")
+    assert "RuntimeError: tables broke" in failures[0] and "T=8 cupyrope-tables: FAILED" in err
+    assert [(r.impl, r.tokens, r.us, r.pct_of_copy) for r in rows] == [
+        ("copy", 8, 2.0, 100.0), ("cupyrope-cache", 8, 4.0, 50.0)]
+    data = workloads.RopeData(workloads.RopeShape(tokens=8), device="cpu")
+    assert rows[1].gbps == pytest.approx(data.bytes_moved("cache") / 4.0 / 1e3)
+    assert rows[0].max_abs_err is None
+    assert workloads.error_is_acceptable(rows[1].max_abs_err, "bfloat16")
+
+
+def _markdown_rows(text: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("|")]
+
+
+def test_format_table_lists_every_row_then_the_percent_pivot():
+    rows = [sweep.Row("copy", 8, 2.0, 100.0, 100.0), sweep.Row("cupyrope-cache", 8, 2.5, 90.0, 80.0, 0.0078),
+            sweep.Row("copy", 64, 3.0, 120.0, 100.0), sweep.Row("cupyrope-cache", 64, 3.2, 115.0, 93.75, 0.0)]
+    text = sweep.format_table(rows, "Test GPU")
+    assert text.splitlines()[0].startswith("RoPE reference shape (bf16 q [T,32,128]")
+    assert "on Test GPU," in text.splitlines()[0]
+    table, pivot = text.split("% of SM copy (copy time / impl time):")
+    cells = _markdown_rows(table)
+    assert cells[0] == ["impl", "T", "µs", "GB/s", "% of SM copy", "max abs err"]
+    assert [c.replace(":", "").strip("-") for c in cells[1]] == [""] * 6  # the alignment row
+    assert not cells[1][0].endswith(":") and all(c.endswith(":") for c in cells[1][1:])  # numbers right
+    assert cells[2:] == [["copy", "8", "2.00", "100", "100.0", ""],
+                         ["cupyrope-cache", "8", "2.50", "90", "80.0", "0.0078"],
+                         ["copy", "64", "3.00", "120", "100.0", ""],
+                         ["cupyrope-cache", "64", "3.20", "115", "93.8", "0"]]
+    pivot_cells = _markdown_rows(pivot)
+    assert pivot_cells[0] == ["impl", "T=8", "T=64"]
+    assert pivot_cells[2:] == [["copy", "100.0", "100.0"], ["cupyrope-cache", "80.0", "93.8"]]
