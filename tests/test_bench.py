@@ -5,12 +5,14 @@ replaced by fixed numbers and the data lives on the CPU."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("tabulate")
 
-from cupyrope.bench import sweep, workloads  # noqa: E402
+from cupyrope.bench import clocks, sweep, workloads  # noqa: E402
 
 
 @pytest.fixture
@@ -82,3 +84,21 @@ def test_format_table_lists_every_row_then_the_percent_pivot():
     pivot_cells = _markdown_rows(pivot)
     assert pivot_cells[0] == ["impl", "T=8", "T=64"]
     assert pivot_cells[2:] == [["copy", "100.0", "100.0"], ["cupyrope-cache", "80.0", "93.8"]]
+
+
+def test_host_time_is_a_loop_of_n_calls_with_gc_and_threads_as_outside(monkeypatch):
+    """n calls between two synchronises, the garbage collector on and torch's thread count as the
+    caller has it (torch.utils.benchmark.Timer would turn off the one and set the other to 1)."""
+    monkeypatch.setattr(clocks, "require_cuda", lambda: torch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    threads = torch.get_num_threads()
+    seen = []
+
+    def call(x):
+        seen.append((gc.isenabled(), torch.get_num_threads()))
+        return x
+
+    us = clocks.host_time_us(call, 300, args=(1,), warmup=10, repeats=5)
+    assert us > 0
+    assert len(seen) >= 10 + 5 * 300
+    assert set(seen) == {(gc.isenabled(), threads)}

@@ -7,17 +7,20 @@
 - :data:`GPU_CLOCK`: the same measurement as a pytest-benchmark timer (:class:`GpuClock`).
 - :func:`graph_time_us`: GPU time per call from a CUDA graph of 20 back-to-back calls (decode).
 - :func:`host_time_us`: wall time per eager call, a loop of 300 calls then one synchronise
-  (``torch.utils.benchmark.Timer``, whose CUDA timer synchronises once per measured block).
+  (``torch.utils.benchmark.Timer``, whose timer synchronises the GPU before each reading).
 - :func:`input_sets_for`: how many input sets to rotate among so that every call reads DRAM.
 
 These are what the well-kept timers lack: ``triton.testing.do_bench`` and
 ``cupyx.profiler.benchmark`` time each call on its own (with an L2 flush or a host round trip
-between calls), not a queue of back-to-back calls or a graph of them.
+between calls), not a queue of back-to-back calls; ``triton.testing.do_bench_cudagraph`` captures
+as many calls of one argument-less function as fit its time budget, not a graph of 20 calls over
+20 input sets. Host time is timed by ``torch.utils.benchmark``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import math
 import statistics
@@ -290,7 +293,8 @@ def host_time_us(fn: Callable, n: int = HOST_LOOP, *, args: tuple = (), warmup: 
     """Wall time per eager call: ``n`` calls then ONE ``torch.cuda.synchronize()``, divided by ``n``.
 
     The median of ``repeats`` such loops, after ``warmup`` calls, through
-    ``torch.utils.benchmark.Timer`` (its CUDA timer synchronises once around each block of ``n``).
+    ``torch.utils.benchmark.Timer``: its timer synchronises the GPU before each reading, so a block
+    of ``n`` calls is timed from one synchronise to the next.
     """
     require_cuda()
     from torch.utils import benchmark
@@ -298,6 +302,11 @@ def host_time_us(fn: Callable, n: int = HOST_LOOP, *, args: tuple = (), warmup: 
     for _ in range(max(1, warmup)):
         fn(*args)
     torch.cuda.synchronize()
-    timer = benchmark.Timer(stmt="fn(*args)", globals={"fn": fn, "args": args})
+    # The loop runs as an eager caller's would: timeit turns the garbage collector off for the
+    # block (the setup turns it back on, the idiom timeit's documentation gives) and the Timer
+    # would run torch on one thread unless told the caller's thread count.
+    timer = benchmark.Timer(stmt="fn(*args)", setup="gc.enable()",
+                            globals={"fn": fn, "args": args, "gc": gc},
+                            num_threads=torch.get_num_threads())
     samples = [timer.timeit(n).median * 1e6 for _ in range(max(1, repeats))]
     return statistics.median(samples)
