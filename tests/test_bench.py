@@ -6,13 +6,39 @@ replaced by fixed numbers and the data lives on the CPU."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("tabulate")
 
-from cupyrope.bench import clocks, sweep, workloads  # noqa: E402
+from cupyrope.bench import cli, clocks, sweep, workloads  # noqa: E402
+
+
+def test_help_works_without_a_gpu():
+    result = subprocess.run([sys.executable, "-m", "cupyrope.bench", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for option in ("--tokens", "--impls", "--repeats", "--no-check", "--out"):
+        assert option in result.stdout
+    assert "cupyrope-bench" in result.stdout  # the default output folder
+
+
+def test_cli_without_a_gpu_says_so_in_one_sentence(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["--tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("tokens", ["0", "-5"])
+def test_cli_tokens_must_be_positive(tokens, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--tokens", tokens])
+    assert exit_info.value.code == 2
+    assert "expected a positive integer" in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Sequence
 
-from .clocks import device_name
+from .clocks import device_name, require_cuda
 from .sweep import environment, format_table, plot, reference_sweep
 from .workloads import ALL_IMPLS, REFERENCE_TOKENS
 
@@ -23,18 +23,28 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cupyrope.bench",
-         default_out: str | None = None) -> int:
+         default_out: str = "cupyrope-bench") -> int:
+    """Run the reference sweep with the command-line options ``argv``; 0 when every cupyrope and
+    copy case ran, 1 when one failed, 2 on bad options or without a CUDA GPU."""
     parser = argparse.ArgumentParser(prog=prog, description=(
         "Reference sweep (bf16 q [T,32,128], k [T,8,128], fp32 cache, NeoX): cupyrope against an "
         "SM copy of the same bytes and the peers installed; prints the table and writes it with a "
         "bandwidth plot."))
     parser.add_argument("--tokens", type=_positive_int, nargs="+", default=list(REFERENCE_TOKENS))
-    parser.add_argument("--impls", nargs="+", default=None, choices=[i for i in ALL_IMPLS if i != "copy"],
-                        help="implementations besides the SM copy (default: cupyrope's angle sources and every peer)")
+    impls = [i for i in ALL_IMPLS if i != "copy"]
+    parser.add_argument("--impls", nargs="+", default=None, choices=impls, metavar="IMPL",
+                        help="implementations besides the SM copy, among " + ", ".join(impls)
+                        + " (default: cupyrope's angle sources and every peer)")
     parser.add_argument("--repeats", type=_positive_int, default=10)
     parser.add_argument("--no-check", action="store_true", help="skip the agreement check before timing")
-    parser.add_argument("--out", default=default_out, help="folder for reference_sweep.{md,json,png}")
+    parser.add_argument("--out", default=default_out,
+                        help=f"folder for reference_sweep.{{md,json,png}} (default: {default_out})")
     args = parser.parse_args(argv)
+    try:
+        require_cuda()
+    except RuntimeError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
 
     failures: list[str] = []
     rows = reference_sweep(args.tokens, impls=args.impls, repeats=args.repeats, check=not args.no_check,
