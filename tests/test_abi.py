@@ -78,26 +78,28 @@ def test_a_mismatch_fails_the_check():
 
 
 def _layout_source() -> str:
+    # __INTADDR__ is the offsetof of NVRTC's front end (EDG): every NVRTC accepts it, where 13.0
+    # rejects __builtin_offsetof.
     checks = ["using cupyrope::RopeParams;"]
     for name in PARAMS_DTYPE.names:
         offset = PARAMS_DTYPE.fields[name][1]
         checks.append(
-            f"static_assert(__builtin_offsetof(RopeParams, {name}) == {offset}, "
+            f"static_assert(__INTADDR__(&((RopeParams*)0)->{name}) == {offset}, "
             f"\"offset of {name}\");")
     return '#include "rope_params.cuh"\n' + "\n".join(checks) + "\n"
 
 
-def _nvrtc_has_offsetof() -> bool:
-    """Some NVRTC builds (seen with a CUDA 13.0 toolkit's) reject __builtin_offsetof."""
-    return _compile("struct S { long long a, b; };\n"
-                    "static_assert(__builtin_offsetof(S, b) == 8, \"b\");\n", "probe.cu") is None
-
-
 def test_params_struct_matches_numpy_dtype():
-    if not _nvrtc_has_offsetof():
-        pytest.skip(f"NVRTC {nvrtc.getVersion()} does not compile __builtin_offsetof")
     log = _compile(_layout_source(), "layout.cu")
     assert log is None, "RopeParams layout differs from PARAMS_DTYPE:\n" + str(log)
+
+
+def test_a_wrong_offset_fails_the_check():
+    """The offset check is not vacuous: one field placed elsewhere makes NVRTC refuse it."""
+    offset = PARAMS_DTYPE.fields["sin_sign"][1]
+    wrong = _layout_source().replace(f"->sin_sign) == {offset}", f"->sin_sign) == {offset + 8}")
+    log = _compile(wrong, "layout_wrong.cu")
+    assert log is not None and "offset of sin_sign" in log
 
 
 def test_every_field_is_eight_bytes():
