@@ -4,9 +4,11 @@
 package plus ``kernels_cu/*.cu`` / ``*.cuh``, mapped to ``cupyrope/kernels_cu/`` by the
 package-dir table in pyproject.toml, where ``importlib.resources`` finds them at run time.
 
-The wheel is built once per module from a copy of the checkout (an in-tree build would leave
-``build/`` and ``*.egg-info`` in the repository) with the setuptools already installed, so the
-test needs no network. It takes a few seconds; the build is capped at 60 s.
+The sdist and the wheel are built once per module from a copy of the checkout (an in-tree build
+would leave ``build/`` and ``*.egg-info`` in the repository) by ``python -m build`` with the
+setuptools already installed, so the test needs no network. ``build`` makes the wheel from the
+unpacked sdist, so a file the sdist forgets is missing from the wheel too. It takes a few seconds;
+the build is capped at 60 s.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -58,19 +61,24 @@ class BuiltWheel:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> BuiltWheel:
-    # --no-build-isolation: use the installed setuptools instead of fetching one from an index.
+def distributions(tmp_path_factory) -> Path:
+    """The folder holding the sdist and the wheel built from it."""
+    # --no-isolation: use the installed setuptools instead of fetching one from an index; build
+    # still checks it against pyproject.toml's build requirements and names what is missing.
+    pytest.importorskip("build", reason="building the sdist and wheel needs the build package")
     pytest.importorskip("setuptools", reason="building the wheel offline needs setuptools")
     source = tmp_path_factory.mktemp("source") / "cupyrope"
     _copy_build_inputs(source)
-    out = tmp_path_factory.mktemp("wheelhouse")
-    command = [
-        sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-        "--wheel-dir", str(out), str(source),
-    ]
+    out = tmp_path_factory.mktemp("dist")
+    command = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(source)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}"
-    (path,) = out.glob("cupyrope-*.whl")
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheel(distributions) -> BuiltWheel:
+    (path,) = distributions.glob("cupyrope-*.whl")
     return BuiltWheel(path)
 
 
@@ -104,9 +112,18 @@ def test_wheel_ships_the_licence_and_type_information(wheel):
     assert "cupyrope/py.typed" in wheel.names
     licence = [n for n in wheel.names if n.endswith("LICENSE") and ".dist-info/" in n]
     assert licence and wheel.read(licence[0]) == (REPO / "LICENSE").read_bytes()
+    assert b"Copyright 2026 the cupyrope authors" in wheel.read(licence[0])
     metadata = email.parser.Parser().parsestr(wheel.dist_info_file("METADATA"))
     assert metadata["License-Expression"] == "Apache-2.0"
     assert any("github.com/cupyrope/cupyrope" in url for url in metadata.get_all("Project-URL"))
+
+
+def test_sdist_ships_the_licence_and_the_sources(distributions):
+    (path,) = distributions.glob("cupyrope-*.tar.gz")
+    with tarfile.open(path) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    expected = {"LICENSE", "README.md", "pyproject.toml", "cupyrope/py.typed", "kernels_cu/rope.cu"}
+    assert expected <= names, f"missing from the sdist: {sorted(expected - names)}"
 
 
 def test_wheel_ships_every_kernel_source(wheel):
