@@ -161,6 +161,18 @@ def test_metadata_lists_the_extras(wheel):
     assert "cupy-cuda12x" in extra("cuda12") and "nvidia-cuda-nvrtc-cu12" in extra("cuda12")
 
 
+def test_a_missing_ml_dtypes_is_named_at_import():
+    # ml_dtypes is a base dependency (bfloat16 for NumPy): an install without it must say so in
+    # one line at import, not fail later inside a call.
+    probe = "import sys; sys.modules['ml_dtypes'] = None; import cupyrope"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=BUILD_TIMEOUT_S, cwd=REPO)
+    assert result.returncode == 1
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line == ("ImportError: bfloat16 arrays need the ml_dtypes package, a dependency of "
+                         "cupyrope that is missing here: pip install ml_dtypes (or reinstall cupyrope)")
+
+
 def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
     # Unpacked, a pure-Python wheel is an installed package. Import it in a fresh interpreter with
     # only that folder added to the path, so cupyrope resolves there (not to this checkout) and
