@@ -3,6 +3,7 @@ GPU; ``warmup`` without a GPU. These run on any machine (the demo takes the NumP
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import types
@@ -65,6 +66,25 @@ def test_bench_hands_its_arguments_to_the_benchmark_cli(monkeypatch):
     monkeypatch.setattr(cli, "_gpu_available", lambda: True)
     assert cli.main(["bench", "--tokens", "1", "8"]) == 0
     assert calls == [(["--tokens", "1", "8"], "python -m cupyrope bench", "cupyrope-bench")]
+    # Options the demo also has, "--opt=value" forms and positionals keep their order.
+    rest = ["--repeats", "3", "--tokens", "8", "--out=sweep", "--no-check", "--cpu", "-h"]
+    assert cli.main(["bench", *rest]) == 0
+    assert calls[-1] == (rest, "python -m cupyrope bench", "cupyrope-bench")
+
+
+def test_the_demo_refuses_arguments_it_does_not_know():
+    result = run("--tokens", "8", "--cpu", "--repeats", "3")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --repeats 3" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["bench"]])
+def test_help_cites_no_file_that_does_not_ship(command):
+    result = run(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: python -m cupyrope{''.join(' ' + c for c in command)} ")
+    assert "SPEC" not in result.stdout and "\u00a7" not in result.stdout
+    assert not re.search(r"\b[\w/.-]+\.(md|rst|txt)\b", result.stdout), result.stdout
 
 
 def test_warmup_without_a_gpu_raises_one_clear_error():
