@@ -182,7 +182,8 @@ def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
         archive.extractall(site)
     probe = (
         "import json, cupyrope, cupyrope.kernels as k\n"
-        "print(json.dumps([cupyrope.__file__, str(k.kernel_source_dir()), k._read_sources()[0]]))\n"
+        "print(json.dumps([cupyrope.__file__, str(k.kernel_source_dir()), k._read_sources()[0],\n"
+        "                  cupyrope.__version__]))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe],
@@ -190,10 +191,22 @@ def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
         env={**os.environ, "PYTHONPATH": str(site)},
     )
     assert result.returncode == 0, result.stderr
-    package_file, source_dir, rope_cu = json.loads(result.stdout.splitlines()[-1])
+    package_file, source_dir, rope_cu, version = json.loads(result.stdout.splitlines()[-1])
     assert Path(package_file).is_relative_to(site), f"imported {package_file}, not the wheel's"
     assert Path(source_dir) == site / "cupyrope" / "kernels_cu"
     assert rope_cu == (REPO / "kernels_cu" / "rope.cu").read_text()
+    # No pyproject.toml beside an installed package: the version comes from the wheel's metadata.
+    assert version == "0.1.0"
+
+
+def test_the_version_is_written_once():
+    import re
+
+    import cupyrope
+
+    declared = re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert declared and cupyrope.__version__ == declared.group(1)
+    assert declared.group(1) not in (REPO / "cupyrope" / "__init__.py").read_text()
 
 
 def test_ci_runs_exactly_the_readme_commands():
