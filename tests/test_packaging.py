@@ -16,6 +16,7 @@ from __future__ import annotations
 import email.parser
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -159,6 +160,15 @@ def test_metadata_lists_the_extras(wheel):
     # Each CUDA extra brings CuPy and a pip NVRTC of the same major version: no toolkit needed.
     assert "cupy-cuda13x" in extra("cuda13") and "nvidia-cuda-nvrtc" in extra("cuda13")
     assert "cupy-cuda12x" in extra("cuda12") and "nvidia-cuda-nvrtc-cu12" in extra("cuda12")
+    # The README's install line on a fresh machine (cuda13, test, interop) brings everything the
+    # suite imports: a fresh venv's setuptools cannot build this wheel, and without mpmath, torch
+    # or JAX whole files skip.
+    for tool in ("pytest", "pytest-xdist", "hypothesis", "mpmath", "build", "setuptools", "wheel",
+                 "transformers==5.23.0"):
+        assert re.search(rf"(^| ){re.escape(tool)}[ ;=<>]", extra("test")), f"test extra lacks {tool}"
+    assert "torch==2.13.0" in extra("interop") and "jax[cpu]==0.10.2" in extra("interop")
+    for tool in ("pytest-benchmark", "matplotlib", "tqdm", "tabulate"):
+        assert tool in extra("bench"), f"bench extra lacks {tool}"
 
 
 def test_a_missing_ml_dtypes_is_named_at_import():
@@ -200,8 +210,6 @@ def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
 
 
 def test_the_version_is_written_once():
-    import re
-
     import cupyrope
 
     declared = re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(), re.M)
@@ -211,8 +219,6 @@ def test_the_version_is_written_once():
 
 def test_ci_runs_exactly_the_readme_commands():
     """The README's install line and test command are what CI runs on a fresh clone."""
-    import re
-
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
     install = re.search(r'`(pip install -e "\.\[[a-z0-9,]+\]")`', readme)
@@ -220,3 +226,12 @@ def test_ci_runs_exactly_the_readme_commands():
     assert f"python -m {install.group(1)}\n" in ci
     assert "python -m pytest tests      # the test suite" in readme
     assert "\npython -m pytest tests\n" in ci
+
+
+def test_the_readme_installs_the_bench_extra_before_running_the_benchmarks():
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    running = [block for block in blocks if "pytest benchmarks" in block]
+    assert running, "the README does not say how to run the benchmarks"
+    for block in running:
+        assert re.search(r'pip install -e "\.\[[a-z0-9,]*bench[a-z0-9,]*\]"', block), block
