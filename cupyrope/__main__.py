@@ -99,7 +99,8 @@ def main(argv=None) -> int:
 def _bench(argv) -> int:
     if "-h" not in argv and "--help" not in argv and not _gpu_available():
         print("python -m cupyrope bench: the benchmarks need a CUDA GPU with CuPy and torch, and "
-              "no usable GPU was found here (cupy.is_available() is false)", file=sys.stderr)
+              "no usable GPU was found here (CuPy is not installed, or cupy.is_available() is false)",
+              file=sys.stderr)
         return 2
     from cupyrope.bench.cli import main as bench_main  # imported only for this command
 

@@ -58,6 +58,16 @@ def test_bench_without_a_gpu_says_so_in_one_sentence(monkeypatch, capsys):
     assert "need a CUDA GPU" in err and err.count("\n") == 1
 
 
+def test_bench_without_cupy_ends_in_one_sentence_not_a_traceback():
+    # What a plain `pip install` (no CUDA extra) meets: no CuPy at all.
+    probe = ("import sys; sys.modules['cupy'] = None; from cupyrope.__main__ import main; "
+             "sys.exit(main(['bench']))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("python -m cupyrope bench: the benchmarks need a CUDA GPU")
+    assert "CuPy is not installed" in result.stderr and result.stderr.count("\n") == 1
+
+
 def test_bench_hands_its_arguments_to_the_benchmark_cli(monkeypatch):
     calls = []
     fake = types.ModuleType("cupyrope.bench.cli")
