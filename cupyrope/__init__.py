@@ -15,7 +15,6 @@ from .prepare import warmup
 from .positions import context_parallel_positions, te_positions, varlen_positions
 
 
-
 def _version() -> str:
     """The installed distribution's version; from a checkout that is not installed, the one its
     pyproject.toml declares."""

@@ -63,16 +63,21 @@ def _ulps(out: np.ndarray, exact: np.ndarray, pair: np.ndarray, dtype: str) -> f
     return float(np.max(np.abs(out - exact) / 2.0 ** (exponent - MANTISSA_BITS[dtype])))
 
 
+COMMANDS = ("demo", "bench")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m cupyrope",
         description="Rotary Position Embedding kernels: the demo (default) or the benchmark sweep.")
     parser.add_argument("--version", action="version", version=f"cupyrope {cr.__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{demo,bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     demo = commands.add_parser("demo", help="rotate a Llama-sized batch and check it against float64")
     demo.add_argument("--tokens", type=_positive_int, default=4096, help="tokens (default 4096)")
     demo.add_argument("--dtype", default="bfloat16", choices=sorted(ULP_BOUND))
     demo.add_argument("--cpu", action="store_true", help="use the NumPy path even with a GPU")
+    # The sweep's options, --help included, belong to cupyrope.bench.cli: main() hands it every
+    # argument after "bench" (parse_known_args leaves them over).
     commands.add_parser("bench", add_help=False,
                         help="the benchmark sweep on a GPU (python -m cupyrope bench --help)")
     return parser
@@ -80,18 +85,22 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:
-        return _bench(argv[1:])
-    if not argv or argv[0] not in ("demo", "-h", "--help", "--version"):
-        argv = ["demo"] + argv  # the demo is the default command
-    args = _parser().parse_args(argv)
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help", "--version"):
+        argv = ["demo", *argv]  # the demo is the default command
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return _bench(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return _demo(args)
 
 
 def _bench(argv) -> int:
     if "-h" not in argv and "--help" not in argv and not _gpu_available():
         print("python -m cupyrope bench: the benchmarks need a CUDA GPU with CuPy and torch, and "
-              "no usable GPU was found here (cupy.is_available() is false)", file=sys.stderr)
+              "no usable GPU was found here (CuPy is not installed, or cupy.is_available() is false)",
+              file=sys.stderr)
         return 2
     from cupyrope.bench.cli import main as bench_main  # imported only for this command
 

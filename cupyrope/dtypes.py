@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-try:  # bfloat16 for NumPy: a dependency of cupyrope
-    import ml_dtypes as _ml_dtypes
-except ImportError:  # pragma: no cover - a broken install
-    _ml_dtypes = None
+try:  # bfloat16 for NumPy: a base dependency, so only a broken install lacks it
+    import ml_dtypes
+except ImportError as error:
+    raise ImportError(
+        "bfloat16 arrays need the ml_dtypes package, a dependency of cupyrope that is "
+        "missing here: pip install ml_dtypes (or reinstall cupyrope)"
+    ) from error
 
 # C++ names used in the kernel instantiations (kernels_cu/numeric.cuh defines the 16-bit ones).
 CUDA_TYPE_NAMES = {
@@ -24,12 +27,7 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4,
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype for a dtype name (bfloat16 comes from ml_dtypes)."""
     if name == "bfloat16":
-        if _ml_dtypes is None:
-            raise ImportError(
-                "bfloat16 arrays need the ml_dtypes package, a dependency of cupyrope that is "
-                "missing here: pip install ml_dtypes (or reinstall cupyrope)"
-            )
-        return np.dtype(_ml_dtypes.bfloat16)
+        return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 
 

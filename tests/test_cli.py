@@ -3,6 +3,7 @@ GPU; ``warmup`` without a GPU. These run on any machine (the demo takes the NumP
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import types
@@ -57,6 +58,16 @@ def test_bench_without_a_gpu_says_so_in_one_sentence(monkeypatch, capsys):
     assert "need a CUDA GPU" in err and err.count("\n") == 1
 
 
+def test_bench_without_cupy_ends_in_one_sentence_not_a_traceback():
+    # What a plain `pip install` (no CUDA extra) meets: no CuPy at all.
+    probe = ("import sys; sys.modules['cupy'] = None; from cupyrope.__main__ import main; "
+             "sys.exit(main(['bench']))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("python -m cupyrope bench: the benchmarks need a CUDA GPU")
+    assert "CuPy is not installed" in result.stderr and result.stderr.count("\n") == 1
+
+
 def test_bench_hands_its_arguments_to_the_benchmark_cli(monkeypatch):
     calls = []
     fake = types.ModuleType("cupyrope.bench.cli")
@@ -65,6 +76,25 @@ def test_bench_hands_its_arguments_to_the_benchmark_cli(monkeypatch):
     monkeypatch.setattr(cli, "_gpu_available", lambda: True)
     assert cli.main(["bench", "--tokens", "1", "8"]) == 0
     assert calls == [(["--tokens", "1", "8"], "python -m cupyrope bench", "cupyrope-bench")]
+    # Options the demo also has, "--opt=value" forms and positionals keep their order.
+    rest = ["--repeats", "3", "--tokens", "8", "--out=sweep", "--no-check", "--cpu", "-h"]
+    assert cli.main(["bench", *rest]) == 0
+    assert calls[-1] == (rest, "python -m cupyrope bench", "cupyrope-bench")
+
+
+def test_the_demo_refuses_arguments_it_does_not_know():
+    result = run("--tokens", "8", "--cpu", "--repeats", "3")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --repeats 3" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["bench"]])
+def test_help_cites_no_file_that_does_not_ship(command):
+    result = run(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: python -m cupyrope{''.join(' ' + c for c in command)} ")
+    assert "SPEC" not in result.stdout and "\u00a7" not in result.stdout
+    assert not re.search(r"\b[\w/.-]+\.(md|rst|txt)\b", result.stdout), result.stdout
 
 
 def test_warmup_without_a_gpu_raises_one_clear_error():

@@ -4,9 +4,11 @@
 package plus ``kernels_cu/*.cu`` / ``*.cuh``, mapped to ``cupyrope/kernels_cu/`` by the
 package-dir table in pyproject.toml, where ``importlib.resources`` finds them at run time.
 
-The wheel is built once per module from a copy of the checkout (an in-tree build would leave
-``build/`` and ``*.egg-info`` in the repository) with the setuptools already installed, so the
-test needs no network. It takes a few seconds; the build is capped at 60 s.
+The sdist and the wheel are built once per module from a copy of the checkout (an in-tree build
+would leave ``build/`` and ``*.egg-info`` in the repository) by ``python -m build`` with the
+setuptools already installed, so the test needs no network. ``build`` makes the wheel from the
+unpacked sdist, so a file the sdist forgets is missing from the wheel too. It takes a few seconds;
+the build is capped at 60 s.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 import email.parser
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -58,19 +62,24 @@ class BuiltWheel:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> BuiltWheel:
-    # --no-build-isolation: use the installed setuptools instead of fetching one from an index.
+def distributions(tmp_path_factory) -> Path:
+    """The folder holding the sdist and the wheel built from it."""
+    # --no-isolation: use the installed setuptools instead of fetching one from an index; build
+    # still checks it against pyproject.toml's build requirements and names what is missing.
+    pytest.importorskip("build", reason="building the sdist and wheel needs the build package")
     pytest.importorskip("setuptools", reason="building the wheel offline needs setuptools")
     source = tmp_path_factory.mktemp("source") / "cupyrope"
     _copy_build_inputs(source)
-    out = tmp_path_factory.mktemp("wheelhouse")
-    command = [
-        sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-        "--wheel-dir", str(out), str(source),
-    ]
+    out = tmp_path_factory.mktemp("dist")
+    command = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(source)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}"
-    (path,) = out.glob("cupyrope-*.whl")
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheel(distributions) -> BuiltWheel:
+    (path,) = distributions.glob("cupyrope-*.whl")
     return BuiltWheel(path)
 
 
@@ -104,9 +113,18 @@ def test_wheel_ships_the_licence_and_type_information(wheel):
     assert "cupyrope/py.typed" in wheel.names
     licence = [n for n in wheel.names if n.endswith("LICENSE") and ".dist-info/" in n]
     assert licence and wheel.read(licence[0]) == (REPO / "LICENSE").read_bytes()
+    assert b"Copyright 2026 the cupyrope authors" in wheel.read(licence[0])
     metadata = email.parser.Parser().parsestr(wheel.dist_info_file("METADATA"))
     assert metadata["License-Expression"] == "Apache-2.0"
     assert any("github.com/cupyrope/cupyrope" in url for url in metadata.get_all("Project-URL"))
+
+
+def test_sdist_ships_the_licence_and_the_sources(distributions):
+    (path,) = distributions.glob("cupyrope-*.tar.gz")
+    with tarfile.open(path) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    expected = {"LICENSE", "README.md", "pyproject.toml", "cupyrope/py.typed", "kernels_cu/rope.cu"}
+    assert expected <= names, f"missing from the sdist: {sorted(expected - names)}"
 
 
 def test_wheel_ships_every_kernel_source(wheel):
@@ -142,6 +160,27 @@ def test_metadata_lists_the_extras(wheel):
     # Each CUDA extra brings CuPy and a pip NVRTC of the same major version: no toolkit needed.
     assert "cupy-cuda13x" in extra("cuda13") and "nvidia-cuda-nvrtc" in extra("cuda13")
     assert "cupy-cuda12x" in extra("cuda12") and "nvidia-cuda-nvrtc-cu12" in extra("cuda12")
+    # The README's install line on a fresh machine (cuda13, test, interop) brings everything the
+    # suite imports: a fresh venv's setuptools cannot build this wheel, and without mpmath, torch
+    # or JAX whole files skip.
+    for tool in ("pytest", "pytest-xdist", "hypothesis", "mpmath", "build", "setuptools", "wheel",
+                 "transformers==5.23.0"):
+        assert re.search(rf"(^| ){re.escape(tool)}[ ;=<>]", extra("test")), f"test extra lacks {tool}"
+    assert "torch==2.13.0" in extra("interop") and "jax[cpu]==0.10.2" in extra("interop")
+    for tool in ("pytest-benchmark", "matplotlib", "tqdm", "tabulate"):
+        assert tool in extra("bench"), f"bench extra lacks {tool}"
+
+
+def test_a_missing_ml_dtypes_is_named_at_import():
+    # ml_dtypes is a base dependency (bfloat16 for NumPy): an install without it must say so in
+    # one line at import, not fail later inside a call.
+    probe = "import sys; sys.modules['ml_dtypes'] = None; import cupyrope"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=BUILD_TIMEOUT_S, cwd=REPO)
+    assert result.returncode == 1
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line == ("ImportError: bfloat16 arrays need the ml_dtypes package, a dependency of "
+                         "cupyrope that is missing here: pip install ml_dtypes (or reinstall cupyrope)")
 
 
 def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
@@ -153,7 +192,8 @@ def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
         archive.extractall(site)
     probe = (
         "import json, cupyrope, cupyrope.kernels as k\n"
-        "print(json.dumps([cupyrope.__file__, str(k.kernel_source_dir()), k._read_sources()[0]]))\n"
+        "print(json.dumps([cupyrope.__file__, str(k.kernel_source_dir()), k._read_sources()[0],\n"
+        "                  cupyrope.__version__]))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe],
@@ -161,16 +201,24 @@ def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
         env={**os.environ, "PYTHONPATH": str(site)},
     )
     assert result.returncode == 0, result.stderr
-    package_file, source_dir, rope_cu = json.loads(result.stdout.splitlines()[-1])
+    package_file, source_dir, rope_cu, version = json.loads(result.stdout.splitlines()[-1])
     assert Path(package_file).is_relative_to(site), f"imported {package_file}, not the wheel's"
     assert Path(source_dir) == site / "cupyrope" / "kernels_cu"
     assert rope_cu == (REPO / "kernels_cu" / "rope.cu").read_text()
+    # No pyproject.toml beside an installed package: the version comes from the wheel's metadata.
+    assert version == "0.1.0"
+
+
+def test_the_version_is_written_once():
+    import cupyrope
+
+    declared = re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert declared and cupyrope.__version__ == declared.group(1)
+    assert declared.group(1) not in (REPO / "cupyrope" / "__init__.py").read_text()
 
 
 def test_ci_runs_exactly_the_readme_commands():
     """The README's install line and test command are what CI runs on a fresh clone."""
-    import re
-
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
     install = re.search(r'`(pip install -e "\.\[[a-z0-9,]+\]")`', readme)
@@ -178,3 +226,12 @@ def test_ci_runs_exactly_the_readme_commands():
     assert f"python -m {install.group(1)}\n" in ci
     assert "python -m pytest tests      # the test suite" in readme
     assert "\npython -m pytest tests\n" in ci
+
+
+def test_the_readme_installs_the_bench_extra_before_running_the_benchmarks():
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    running = [block for block in blocks if "pytest benchmarks" in block]
+    assert running, "the README does not say how to run the benchmarks"
+    for block in running:
+        assert re.search(r'pip install -e "\.\[[a-z0-9,]*bench[a-z0-9,]*\]"', block), block
