@@ -8,7 +8,7 @@ take a vectorised NumPy path with the same semantics.
 >>> q_out = cr.apply_rope(q, cos=cos, sin=sin)                               # doctest: +SKIP
 """
 
-from .api import apply_rope
+from .api import apply_rope, rms_norm_rope, rope_and_cache
 from .frequencies import cos_sin_cache, rope_frequencies
 from .abi import AngleSource
 from .prepare import warmup
@@ -46,6 +46,8 @@ def clear_cache() -> None:
 __all__ = [
     "AngleSource",
     "apply_rope",
+    "rms_norm_rope",
+    "rope_and_cache",
     "clear_cache",
     "context_parallel_positions",
     "cos_sin_cache",

@@ -27,6 +27,22 @@ class MRopeMode(enum.IntEnum):
     INTERLEAVED = 2  # Qwen3-VL: pair j height if j % 3 == 1 and j < 3 s1, width if j % 3 == 2 ...
 
 
+class StoreFormat(enum.IntEnum):
+    """How the fused kernel stores an output (``StoreFormat`` in rope_params.cuh)."""
+
+    INPUT = 0  # the input dtype
+    E4M3 = 1  # float8_e4m3fn of value / scale, saturated
+    E5M2 = 2  # float8_e5m2 of value / scale, saturated
+
+
+class WeightDtype(enum.IntEnum):
+    """dtype of the RMSNorm weights (``WeightDtype`` in rope_params.cuh)."""
+
+    FLOAT32 = 0
+    FLOAT16 = 1
+    BFLOAT16 = 2
+
+
 THREADS_PER_BLOCK = 256  # kMaxThreadsPerBlock: the kernels' __launch_bounds__
 
 
@@ -60,4 +76,18 @@ PARAMS_DTYPE = np.dtype(
         "table_vector_ok", "copy_pass_through", "mrope_mode")]
     + [("mrope_section", np.int64, (3,)), ("positions_component_stride", np.int64)]
     + [("sin_sign", np.float64), ("attention_factor", np.float64)]
+)
+
+# Field for field the layout of cupyrope::FusionParams.
+FUSION_PARAMS_DTYPE = np.dtype(
+    [(name, np.uint64) for name in ("q_weight", "k_weight", "q_scale", "k_scale", "v_scale", "v",
+                                    "k_cache", "v_cache", "slot_mapping")]
+    + [(name, np.int64) for name in (
+        "norm", "weight_dtype", "q_weight_stride", "k_weight_stride", "out_format",
+        "cache_format", "write_pass_through", "num_v_heads", "v_token_stride", "v_head_stride",
+        "slot_stride", "slots_are_int64", "num_slots", "block_size", "k_cache_block_stride",
+        "k_cache_slot_stride", "k_cache_head_stride", "v_cache_block_stride",
+        "v_cache_slot_stride", "v_cache_head_stride")]
+    + [(name, np.float64) for name in ("eps", "weight_offset", "q_scale_value", "k_scale_value",
+                                       "v_scale_value")]
 )

@@ -29,7 +29,8 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
                sin: Array | None = None, theta: float = 10000.0,
                scaling: Mapping[str, Any] | None = None, interleaved: bool = False,
                rotary_dim: int | None = None, inverse: bool = False, inplace: bool = False,
-               validate: bool = False, seq_len: int | None = None) -> Array | tuple[Array, Array]:
+               validate: bool = False, seq_len: int | None = None, out_dtype: Any = None,
+               q_scale: Any = None, k_scale: Any = None) -> Array | tuple[Array, Array]:
     """Rotate q (and k) by Rotary Position Embedding angles, in one kernel launch.
 
     Parameters
@@ -73,6 +74,12 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
     seq_len : int, optional
         Sequence length for the length-dependent schedules (dynamic, longrope); Hugging Face uses
         ``max(position_ids) + 1``.
+    out_dtype : {None, "float8_e4m3fn", "float8_e5m2"} or an fp8 dtype object, optional
+        Quantise the rotated q and k (and their pass-through dims) in the same pass:
+        ``fp8(value / scale)``, saturated to the format's largest finite value. Out of place only;
+        CuPy, which has no fp8 dtype, gets the bits as uint8. Needs compute capability 8.9+.
+    q_scale, k_scale : float or one-element float32 array, optional
+        The fp8 scales (vLLM convention: stored = value / scale); default 1.
 
     Returns
     -------
@@ -96,6 +103,13 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
     >>> bool(np.allclose(q_back, q, atol=1e-5))
     True
     """
+    if out_dtype is not None or q_scale is not None or k_scale is not None:
+        return execute.run_fused(
+            "apply_rope", q, k, positions,
+            rope=_rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved,
+                               rotary_dim, inverse, inplace, seq_len),
+            fusion=dict(out_dtype=out_dtype, q_scale=q_scale, k_scale=k_scale),
+            validate=validate, refuse_route=_refuse_framework_route)
     if _compiling():  # torch.compile / export tracing: the traceable custom op
         return _torch_ops().apply_rope(
             q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
@@ -146,3 +160,144 @@ def _framework_route(q, k, positions, cos_sin_cache, cos, sin):
         if jax_ops.is_traced(q, k, positions, cos_sin_cache, cos, sin):
             return jax_ops
     return None
+
+
+def _rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim, inverse,
+                  inplace, seq_len) -> dict:
+    """The rotation's arguments of a fused call, as ``plan_rope`` takes them."""
+    return dict(cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta, scaling=scaling,
+                interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse, inplace=inplace,
+                seq_len=seq_len)
+
+
+def _refuse_framework_route(where, q, k, positions, rope, fusion) -> None:
+    """The fused ops run on arrays: autograd, torch.compile tracing and JAX tracing of them are
+    refused with a message rather than run untracked."""
+    if _compiling():
+        raise NotImplementedError(
+            f"{where}: fused ops are not traceable by torch.compile yet; call it outside the "
+            "compiled region, or use apply_rope (which is)")
+    arrays = (q, k, positions, *rope.values(), *fusion.values())
+    torch_ops = _torch_ops() if "torch" in sys.modules else None
+    if torch_ops is not None and (torch_ops.needs_autograd(q, k)
+                                  or torch_ops.needs_autograd(fusion.get("v"), None)):
+        raise NotImplementedError(
+            f"{where}: gradients of the fused ops are not available yet; call it under "
+            "torch.no_grad() or on detached tensors (apply_rope is differentiable)")
+    if "jax" in sys.modules:
+        from . import jax_ops
+
+        if jax_ops.is_traced(*arrays):
+            raise NotImplementedError(
+                f"{where}: the fused ops take concrete JAX arrays, not tracers (jax.jit / "
+                "jax.grad / jax.vmap); call it outside the traced function")
+
+
+def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | None,
+                  positions: Array | None = None, *, eps: float, weight_offset: float = 0.0,
+                  cos_sin_cache: Array | None = None, cos: Array | None = None,
+                  sin: Array | None = None, theta: float = 10000.0,
+                  scaling: Mapping[str, Any] | None = None, interleaved: bool = False,
+                  rotary_dim: int | None = None, inverse: bool = False, inplace: bool = False,
+                  validate: bool = False, seq_len: int | None = None, out_dtype: Any = None,
+                  q_scale: Any = None, k_scale: Any = None) -> Array | tuple[Array, Array]:
+    """RMSNorm of every head of q (and k), then the rotation, in one pass (QK-norm models:
+    Qwen3, Gemma 3, OLMo 2).
+
+    Per head, over ``head_dim``, in float32: ``x * rsqrt(mean(x**2) + eps) * (weight_offset +
+    weight)``, then the rotation of :func:`apply_rope`, rounded once to the output dtype.
+
+    Parameters
+    ----------
+    q, k : arrays, shapes ``(..., num_q_heads, head_dim)`` / ``(..., num_k_heads, head_dim)``
+        float16, bfloat16 or float32; views of one fused QKV buffer work (v is never touched).
+    q_weight, k_weight : arrays, shape ``(head_dim,)``
+        The norm weights (float32, float16 or bfloat16); ``k_weight`` is None when k is.
+    eps : float
+        Added to the mean square (the model's ``rms_norm_eps``).
+    weight_offset : float
+        0 for ``weight * x`` (Qwen3, OLMo 2), 1 for Gemma's ``(1 + weight) * x``.
+    positions, cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim, inverse, inplace,
+    validate, seq_len, out_dtype, q_scale, k_scale
+        As in :func:`apply_rope`. Dims past ``rotary_dim`` are normalised too.
+
+    Returns
+    -------
+    q_out, or (q_out, k_out) when k is given
+
+    Examples
+    --------
+    >>> import numpy as np, cupyrope as cr
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((4, 8, 64)).astype(np.float32)
+    >>> k = rng.standard_normal((4, 2, 64)).astype(np.float32)
+    >>> w = np.ones(64, np.float32)
+    >>> q2, k2 = cr.rms_norm_rope(q, k, w, w, np.arange(4), eps=1e-6)
+    >>> bool(np.allclose(np.sqrt((q2 ** 2).mean(-1)), 1, atol=1e-4))
+    True
+    """
+    return execute.run_fused(
+        "rms_norm_rope", q, k, positions,
+        rope=dict(cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta, scaling=scaling,
+                  interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
+                  inplace=inplace, seq_len=seq_len),
+        fusion=dict(norm=True, q_weight=q_weight, k_weight=k_weight, eps=eps,
+                    weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
+                    k_scale=k_scale),
+        validate=validate, refuse_route=_refuse_framework_route)
+
+
+def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cache: Array,
+                   v_cache: Array, slot_mapping: Array, *, cos_sin_cache: Array | None = None,
+                   cos: Array | None = None, sin: Array | None = None, theta: float = 10000.0,
+                   scaling: Mapping[str, Any] | None = None, interleaved: bool = False,
+                   rotary_dim: int | None = None, layout: str = "NHD", k_scale: Any = None,
+                   v_scale: Any = None, cache_dtype: Any = None, q_weight: Array | None = None,
+                   k_weight: Array | None = None, eps: float | None = None,
+                   weight_offset: float = 0.0, out_dtype: Any = None, q_scale: Any = None,
+                   inplace: bool = True, validate: bool = False, seq_len: int | None = None):
+    """Rotate q and k and write the rotated k and v into a paged KV cache, in one launch
+    (optionally after QK-RMSNorm and with fp8 outputs).
+
+    Parameters
+    ----------
+    q, k, v : arrays, shapes ``(T, Hq, D)``, ``(T, Hk, D)``, ``(T, Hk, D)``
+        One token dim (vLLM / SGLang batches); views of a fused QKV buffer work.
+    positions, cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim, seq_len
+        As in :func:`apply_rope`.
+    k_cache, v_cache : arrays
+        ``layout="NHD"``: ``(num_blocks, block_size, Hk, D)`` (vLLM's flash layout; block_size 1
+        is SGLang's token-slot cache); ``"HND"``: ``(num_blocks, Hk, block_size, D)``. Any
+        strides with a unit last dim: two views of one ``(num_blocks, 2, ...)`` buffer work. The
+        dtype of q, or fp8 (``float8_e4m3fn`` / ``float8_e5m2``; uint8 bits with
+        ``cache_dtype``).
+    slot_mapping : int64 or int32 array, shape ``(T,)``
+        Token t goes to block ``slot // block_size``, row ``slot % block_size``. Negative slots
+        (padding) write nothing; slots past the cache are skipped too (``validate=True`` raises
+        IndexError for them instead). Slots must be distinct.
+    k_scale, v_scale : float or one-element float32 array
+        fp8 scales of the caches (stored = value / scale); ``k_scale`` also scales an fp8 k_out.
+    q_weight, k_weight, eps, weight_offset
+        QK-RMSNorm before the rotation, as :func:`rms_norm_rope` (when weights are given).
+    out_dtype, q_scale
+        fp8 q/k outputs, as :func:`apply_rope` (then ``inplace=False``).
+    inplace : bool
+        True (vLLM's convention): q and k are rotated in place.
+
+    Returns
+    -------
+    (q_out, k_out, k_cache, v_cache)
+        The caches are the arrays given, written in place.
+    """
+    norm = q_weight is not None or k_weight is not None
+    return execute.run_fused(
+        "rope_and_cache", q, k, positions,
+        rope=dict(cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta, scaling=scaling,
+                  interleaved=interleaved, rotary_dim=rotary_dim, inverse=False,
+                  inplace=inplace, seq_len=seq_len),
+        fusion=dict(norm=norm, q_weight=q_weight, k_weight=k_weight, eps=eps,
+                    weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
+                    k_scale=k_scale, v=v, k_cache=k_cache, v_cache=v_cache,
+                    slot_mapping=slot_mapping, layout=layout, v_scale=v_scale,
+                    cache_dtype=cache_dtype),
+        validate=validate, refuse_route=_refuse_framework_route)

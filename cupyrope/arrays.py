@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import dtype_name, numpy_dtype
+from .dtypes import FP8_DTYPES, dtype_name, numpy_dtype
 
 # DLPack device types (dlpack.h): kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged.
 _DLPACK_CPU = (1, 3)
@@ -206,7 +206,11 @@ def new_output(x, kind: str, device: int | None, shape: tuple[int, ...], dtype: 
     DLPack producers get theirs through :func:`finish`), a NumPy array on the CPU."""
     if kind == "torch":
         torch = _torch()
+        if dtype in FP8_DTYPES:  # the fp8 outputs of the fused ops
+            return torch.empty(shape, dtype=getattr(torch, dtype), device=x.device)
         return torch.empty_like(x, memory_format=torch.contiguous_format)
+    if dtype in FP8_DTYPES and device is not None:
+        dtype = "uint8"  # CuPy has no fp8 dtype: it gets the bits
     if device is not None:
         cupy = cupy_module()
         with cupy.cuda.Device(device):
@@ -214,21 +218,28 @@ def new_output(x, kind: str, device: int | None, shape: tuple[int, ...], dtype: 
     return np.empty(shape, dtype=numpy_dtype(dtype))
 
 
-def empty_like_caller(like: ArrayInfo):
-    """(native, info) of a new contiguous array shaped like ``like``: ``native`` is what the
-    caller gets back (after :func:`finish`), ``info`` describes its memory."""
-    out = new_output(like.obj, like.kind, like.device, like.shape, like.dtype)
-    return out, describe(out, "output")
+def empty_like_caller(like: ArrayInfo, dtype: str | None = None):
+    """(native, info) of a new contiguous array shaped like ``like`` (of ``dtype``, by default
+    like's): ``native`` is what the caller gets back (after :func:`finish`), ``info`` describes
+    its memory (an fp8 dtype for the bits CuPy holds as uint8)."""
+    out = new_output(like.obj, like.kind, like.device, like.shape, dtype or like.dtype)
+    info = describe(out, "output")
+    if dtype is not None and info.dtype == "uint8":
+        info.dtype = dtype
+    return out, info
 
 
-def finish(like: ArrayInfo, out):
+def finish(like: ArrayInfo, out, dtype: str | None = None):
     """Hand an output made by ``empty_like_caller`` back in the caller's type."""
     if like.kind == "jax":
         import jax
 
         if like.on_gpu:
+            if str(out.dtype) == "uint8" and dtype is not None:  # fp8 bits from CuPy
+                return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(out), getattr(jax.numpy, dtype))
             return jax.dlpack.from_dlpack(out)
-        return jax.numpy.asarray(out)
+        # On the input's own (CPU) device: the default device may be a GPU.
+        return jax.device_put(out, next(iter(like.obj.devices())))
     return out
 
 
@@ -239,6 +250,8 @@ def host_view(info: ArrayInfo) -> np.ndarray:
         if info.dtype == "bfloat16":
             # NumPy has no bfloat16: reinterpret the bits, then view them as ml_dtypes.bfloat16.
             return t.view(_torch().int16).numpy().view(numpy_dtype("bfloat16"))
+        if info.dtype in FP8_DTYPES:  # nor fp8: the same through bytes
+            return t.view(_torch().uint8).numpy().view(numpy_dtype(info.dtype))
         return t.numpy()
     return info.view
 

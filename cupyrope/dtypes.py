@@ -21,13 +21,17 @@ CUDA_TYPE_NAMES = {
 }
 FLOAT_DTYPES = tuple(CUDA_TYPE_NAMES)  # for q / k and for cos/sin tables alike
 POSITION_DTYPES = ("int32", "int64")
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
+# Outputs of the fused ops may be fp8 (ml_dtypes / torch / JAX names); CuPy, which has no fp8
+# dtype, gets their bits as uint8.
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8,
+            "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
 
 
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype for a dtype name (bfloat16 comes from ml_dtypes)."""
-    if name == "bfloat16":
-        return np.dtype(ml_dtypes.bfloat16)
+    if name in ("bfloat16", *FP8_DTYPES):
+        return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
 
 

@@ -13,7 +13,8 @@ a route.
 from __future__ import annotations
 
 from .arrays import ArrayInfo, describe, empty_like_caller, finish, host_view, mark_written
-from .numpy_path import rotate_on_host
+from .fusion import plan_fused
+from .numpy_path import fused_on_host, rotate_on_host
 from .overlap import byte_span
 from .plan import RopePlan, check_values, plan_rope
 from .recipes import call_key, guard_in_place, recipes, replay
@@ -73,7 +74,8 @@ def run(q, k, positions, cos_sin_cache, cos, sin, *, theta, scaling, interleaved
 
 def rotate(plan: RopePlan, outputs: list[ArrayInfo]):
     """Rotate a checked plan into ``outputs`` (the inputs when in place): one kernel launch on the
-    GPU, the NumPy path on the host, nothing for an empty call. Returns the launch recipe of a GPU
+    GPU (the fused kernel for a fused plan), the NumPy path on the host, nothing for an empty
+    call. Returns the launch recipe of a GPU
     launch (for repeat calls), else None."""
     if plan.is_empty:
         return None
@@ -81,7 +83,11 @@ def rotate(plan: RopePlan, outputs: list[ArrayInfo]):
         from .launch import rotate_on_gpu  # CuPy is imported with the first GPU call only
 
         return rotate_on_gpu(plan, outputs)
-    rotate_on_host(plan, [host_view(info) for info in outputs])
+    host_outputs = [host_view(info) for info in outputs]
+    if plan.fusion is not None:
+        fused_on_host(plan, host_outputs)
+    else:
+        rotate_on_host(plan, host_outputs)
     return None
 
 
@@ -93,3 +99,32 @@ def rotate_into(plan: RopePlan, outputs) -> None:
 def clear() -> None:
     """Forget the launch recipes of earlier calls."""
     recipes.clear()
+
+
+def run_fused(where: str, q, k, positions, *, rope: dict, fusion: dict, validate: bool,
+              refuse_route=None):
+    """A fused op on arrays (:func:`cupyrope.rms_norm_rope`, :func:`cupyrope.rope_and_cache`,
+    ``apply_rope(out_dtype=...)``): the plan, new outputs (fp8 when asked), one fused launch on
+    the GPU or the NumPy path on the host. Returns the outputs as :func:`run` does, then the
+    caches (written in place) when the call writes them. ``refuse_route(q, k, ...)`` raises for
+    calls that need a framework route the fused ops do not have yet."""
+    if refuse_route is not None:
+        refuse_route(where, q, k, positions, rope, fusion)
+    plan = plan_fused(where, q, k, positions, rope=rope, fusion=fusion, validate=validate)
+    f = plan.fusion
+    inputs = [plan.q] + ([plan.k] if plan.k is not None else [])
+    if plan.inplace:
+        natives, outputs = [info.obj for info in inputs], inputs
+    else:
+        made = [empty_like_caller(info, f.out_dtype) for info in inputs]
+        natives, outputs = [m[0] for m in made], [m[1] for m in made]
+    rotate(plan, outputs)
+    written = natives if plan.inplace else []
+    if f.writes_cache:
+        written = [*written, f.k_cache.obj, f.v_cache.obj]
+    mark_written(*written)
+    results = natives if plan.inplace else [finish(info, out, f.out_dtype)
+                                            for info, out in zip(inputs, natives)]
+    if f.writes_cache:
+        return results[0], results[1], f.k_cache.obj, f.v_cache.obj
+    return results[0] if plan.k is None else (results[0], results[1])

@@ -38,11 +38,13 @@ class KernelSpec:
     source: AngleSource
     wide_index: bool  # 64-bit offsets (else 32-bit: every offset of the launch fits)
     lean: bool = False  # the common case only (see rope.cu): one token dim, no M-RoPE, vector tables
+    fused: bool = False  # rope_fused_kernel: RMSNorm, fp8 outputs, KV-cache write (fused.cuh)
 
     @property
     def name_expression(self) -> str:
         """The instantiation, which is also this specialisation's key in the compiled module."""
-        kernel = "rope_lean_kernel" if self.lean else "rope_kernel"
+        kernel = ("rope_fused_kernel" if self.fused else
+                  "rope_lean_kernel" if self.lean else "rope_kernel")
         flags = (self.vector, self.interleaved)
         return (
             f"cupyrope::{kernel}<{CUDA_TYPE_NAMES[self.dtype]}, "
@@ -67,6 +69,28 @@ def _specialisations() -> tuple[KernelSpec, ...]:
 
 
 SPECIALISATIONS: tuple[KernelSpec, ...] = _specialisations()
+
+# The fused kernel's dtypes: q/k of 16 or 32 bits (arithmetic in float32), tables float32 or q's
+# dtype (what Hugging Face models and vLLM pass).
+FUSED_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _fused_specialisations() -> tuple[KernelSpec, ...]:
+    specs = []
+    for dtype, vector, interleaved, wide in itertools.product(
+        FUSED_DTYPES, (True, False), (False, True), (False, True)
+    ):
+        for source in (AngleSource.CACHE_TABLE, AngleSource.TOKEN_TABLES):
+            for table_dtype in dict.fromkeys(("float32", dtype)):
+                specs.append(KernelSpec(dtype, table_dtype, vector, interleaved, source, wide,
+                                        fused=True))
+        specs.append(KernelSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED, wide,
+                                fused=True))
+    return tuple(specs)
+
+
+FUSED_SPECIALISATIONS: tuple[KernelSpec, ...] = _fused_specialisations()
+ALL_SPECIALISATIONS = SPECIALISATIONS + FUSED_SPECIALISATIONS
 
 
 def kernel_source_dir() -> Path:

@@ -17,9 +17,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .abi import MAX_TOKEN_DIMS, PARAMS_DTYPE, THREADS_PER_BLOCK, AngleSource, access_layout
+from .abi import (FUSION_PARAMS_DTYPE, MAX_TOKEN_DIMS, PARAMS_DTYPE, THREADS_PER_BLOCK, AngleSource,
+                  StoreFormat, WeightDtype, access_layout)
 from .arrays import ArrayInfo, cupy_module, stream_is_capturing, upload
 from .dtypes import ITEMSIZE
+from .fusion import STORE_FORMATS
 from .kernels import KernelSpec, get_kernel, is_compiled
 from .plan import RopePlan
 from .recipes import LaunchRecipe
@@ -74,6 +76,8 @@ def _extent(info: ArrayInfo | None) -> int:
 
 def needs_wide_index(plan: RopePlan, outputs: list[ArrayInfo]) -> bool:
     arrays = [plan.q, plan.k, plan.positions, plan.cache, plan.cos, plan.sin, *outputs]
+    if plan.fusion is not None:  # (cache rows are 64-bit in the kernel whatever this says)
+        arrays += [plan.fusion.v, plan.fusion.slot_mapping]
     return max([plan.num_tokens] + [_extent(a) for a in arrays]) >= INDEX32_LIMIT
 
 
@@ -164,6 +168,7 @@ class LaunchSpec:
     pointers: tuple[int, ...]  # q, k, q_out, k_out, positions, cos, sin (0 where absent)
     sin_offset: int | None  # cache source: the sin half starts this many bytes after cos
     vector: bool  # 16-byte accesses: the outputs of a repeat call must be 16-byte aligned
+    fusion_params: np.ndarray | None = None  # a FUSION_PARAMS_DTYPE scalar (the fused kernel)
 
 
 def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int = 0,
@@ -192,8 +197,11 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
     rotated_strides = merged[:len(operands)]
     positions_strides, cos_strides, sin_strides = merged[len(operands):]
 
-    copy_pass = (not plan.inplace) and plan.rotary_dim < plan.head_dim
-    vector = _vector_path_ok(plan, operands, rotated_strides, copy_pass)
+    fusion = plan.fusion
+    copy_pass = plan.rotary_dim < plan.head_dim and (
+        not plan.inplace or (fusion is not None and fusion_touches_pass_through(fusion)))
+    vector = _vector_path_ok(plan, operands, rotated_strides, copy_pass) and (
+        fusion is None or _fusion_vector_ok(plan, fusion))
     itemsize = ITEMSIZE[plan.q.dtype]
     access, pairs = access_layout(itemsize, vector, plan.interleaved)
 
@@ -246,6 +254,20 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
         p["table_vector_ok"] = _table_vector_ok(plan, pairs, cos_ptr, sin_ptr, row_strides)
 
     wide_index = needs_wide_index(plan, outputs)
+    if fusion is not None:
+        spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
+                          wide_index, fused=True)
+        fusion_params = fusion_struct(plan, fusion, copy_pass)
+        extra_heads = plan.num_k_heads if fusion.writes_cache else 0
+        block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
+                                      multiprocessors, extra_heads=extra_heads,
+                                      power_of_two_lanes=fusion.norm)
+        shared_bytes = 2 * plan.head_dim * 4 if fusion.norm else 0  # the norm weights, float32
+        pointers = (plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr,
+                    0 if k is None else k_out.ptr,
+                    0 if plan.positions is None else plan.positions.ptr, cos_ptr, sin_ptr)
+        return LaunchSpec(spec, p, grid, block, shared_bytes, pointers, sin_offset, vector,
+                          fusion_params)
     lean = lean_kernel_applies(plan, vector=vector, wide_index=wide_index, token_ndim=len(shape),
                                table_vector_ok=bool(p["table_vector_ok"]))
     spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
@@ -263,9 +285,12 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
 
 
 def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
-    """Launch one kernel that rotates q (and k) of ``plan`` into ``outputs``; returns the recipe
-    that repeats this launch for other arrays of the same layout."""
+    """Launch one kernel that rotates q (and k) of ``plan`` into ``outputs`` (the fused kernel for
+    a fused plan); returns the recipe that repeats this launch for other arrays of the same
+    layout."""
     device = plan.device
+    if plan.fusion is not None:
+        check_fp8_support(plan)
     capturing = stream_is_capturing(plan.q.obj, device)
     inv_freq = None
     if plan.source == AngleSource.COMPUTED:
@@ -282,7 +307,8 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
                        multiprocessors=_multiprocessors(device))
     kernel = compiled(spec.kernel)
     recipe = LaunchRecipe(kernel.ptr, device, spec.grid, spec.block, spec.params, spec.sin_offset,
-                          spec.vector, inv_freq, spec.shared_bytes, spec.kernel)
+                          spec.vector, inv_freq, spec.shared_bytes, spec.kernel,
+                          fusion_params=spec.fusion_params)
     recipe.launch(plan.q.obj, *spec.pointers)
     return recipe
 
@@ -325,24 +351,27 @@ def _resident_blocks(threads: int, num_regs: int) -> int:
 
 
 def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, num_regs: int,
-                    multiprocessors: int | None = None):
+                    multiprocessors: int | None = None, *, extra_heads: int = 0,
+                    power_of_two_lanes: bool = False):
     """(block, grid) for a plan.
 
     x: lanes over the chunks of pairs of a head (out of place, the same lanes then copy the
     pass-through chunks);
-    y: head lanes, split over blockIdx.y when they do not fit one block; z: tokens, ~256 threads
-    a block. The heads per thread are chosen by a wave model: the square root of the fraction of
+    y: head lanes, split over blockIdx.y when they do not fit one block (the fused kernel's v heads
+    count: ``extra_heads``); z: tokens, ~256 threads a block. The heads per thread are chosen by a wave model: the square root of the fraction of
     the last wave of resident blocks that has work (a partial last wave runs faster, so the loss
     is less than the idle fraction), times the measured throughput of the work per thread that
     many heads make (_THROUGHPUT_BY_WORK).
     """
     chunks = (plan.rotary_dim // 2) // pairs
     lanes = max(1, min(chunks, 32))
+    if power_of_two_lanes:  # RMSNorm sums a head over its lanes with warp shuffles (fused.cuh)
+        lanes = 1 << (lanes - 1).bit_length()
     pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
     # 16-byte accesses per head and thread: both halves (NeoX) or one (interleaved), plus a share
     # of the copied dims (a copy is a load and a store, like a rotated access).
     accesses_per_head = (1 if plan.interleaved else 2) * -(-chunks // lanes) + pass_chunks / lanes
-    num_heads = max(1, plan.num_q_heads + plan.num_k_heads)
+    num_heads = max(1, plan.num_q_heads + plan.num_k_heads + extra_heads)
     if multiprocessors is None:
         multiprocessors = _multiprocessors(plan.device)
     best = None
@@ -364,3 +393,81 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
             # capped at CUDA's limits still covers every token and head.
             best = (score, (lanes, block_y, tokens), (min(grid_x, MAX_GRID_X), min(grid_y, MAX_GRID_Y)))
     return best[1], best[2]
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused kernel (kernels_cu/fused.cuh): what it adds to a rope launch.
+
+
+def fusion_touches_pass_through(fusion) -> bool:
+    """Whether the dims past rotary_dim are read and written even in place: normalised, stored
+    as fp8, or copied into the k cache."""
+    return fusion.norm or fusion.out_dtype is not None or fusion.writes_cache
+
+
+def _fusion_vector_ok(plan: RopePlan, fusion) -> bool:
+    """16-byte accesses also need v and the caches aligned, and whole heads in 16-byte steps for
+    the v copy."""
+    access, _ = access_layout(ITEMSIZE[plan.q.dtype], True, plan.interleaved)
+    if fusion.writes_cache and plan.head_dim % access:
+        return False
+    for info in (fusion.v, fusion.k_cache, fusion.v_cache):
+        if info is not None and (info.ptr % 16 or any(s % access for s in info.strides[:-1])):
+            return False
+    return True
+
+
+def fusion_struct(plan: RopePlan, fusion, copy_pass: bool) -> np.ndarray:
+    """The FusionParams of a fused launch."""
+    f = np.zeros((), dtype=FUSION_PARAMS_DTYPE)
+    f["norm"] = fusion.norm
+    f["write_pass_through"] = copy_pass and (not plan.inplace or fusion.norm)
+    if fusion.norm:
+        f["q_weight"], f["q_weight_stride"] = fusion.q_weight.ptr, fusion.q_weight.strides[0]
+        if fusion.k_weight is not None:
+            f["k_weight"], f["k_weight_stride"] = fusion.k_weight.ptr, fusion.k_weight.strides[0]
+        f["weight_dtype"] = WeightDtype[fusion.q_weight.dtype.upper()]
+        f["eps"], f["weight_offset"] = fusion.eps, fusion.weight_offset
+    f["out_format"] = STORE_FORMATS.get(fusion.out_dtype, StoreFormat.INPUT)
+    for name in ("q_scale", "k_scale", "v_scale"):
+        scale = getattr(fusion, name)
+        if scale is not None:
+            f[name + "_value"] = scale.value
+            if scale.array is not None:
+                f[name] = scale.array.ptr
+    if fusion.writes_cache:
+        v, kc, vc, slots = fusion.v, fusion.k_cache, fusion.v_cache, fusion.slot_mapping
+        f["v"], f["k_cache"], f["v_cache"], f["slot_mapping"] = v.ptr, kc.ptr, vc.ptr, slots.ptr
+        f["cache_format"] = STORE_FORMATS.get(fusion.cache_dtype, StoreFormat.INPUT)
+        f["num_v_heads"] = v.shape[1]
+        f["v_token_stride"], f["v_head_stride"] = v.strides[0], v.strides[1]
+        f["slot_stride"], f["slots_are_int64"] = slots.strides[0], slots.dtype == "int64"
+        f["num_slots"], f["block_size"] = fusion.num_slots, fusion.block_size
+        (f["k_cache_block_stride"], f["k_cache_slot_stride"],
+         f["k_cache_head_stride"]) = fusion.cache_strides(kc)
+        (f["v_cache_block_stride"], f["v_cache_slot_stride"],
+         f["v_cache_head_stride"]) = fusion.cache_strides(vc)
+    return f
+
+
+# fp8 conversion instructions (cvt ... e4m3x2 / e5m2x2) arrive with compute capability 8.9.
+FP8_MIN_COMPUTE_CAPABILITY = 89
+
+
+def check_fp8_support(plan: RopePlan) -> None:
+    """fp8 stores need the conversion instructions of compute capability 8.9+: refuse before
+    launching elsewhere."""
+    fusion = plan.fusion
+    if fusion.out_dtype is None and fusion.cache_dtype is None:
+        return
+    capability = _compute_capability(plan.device)
+    if capability < FP8_MIN_COMPUTE_CAPABILITY:
+        raise RuntimeError(
+            f"{fusion.where}: fp8 outputs need a GPU of compute capability 8.9 or newer (Ada, "
+            f"Hopper, Blackwell) for its fp8 conversions; device {plan.device} has "
+            f"{capability // 10}.{capability % 10}. Store in the input dtype instead")
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device: int) -> int:
+    return int(cupy_module().cuda.Device(device).compute_capability)

@@ -10,8 +10,9 @@ import numpy as np
 
 from .abi import AngleSource
 from .arrays import host_view
-from .dtypes import compute_dtype
+from .dtypes import compute_dtype, numpy_dtype
 from .frequencies import cos_sin_table
+from .fusion import FP8_MAX
 from .mrope import MROPE_NONE, mrope_components
 from .plan import RopePlan
 
@@ -109,3 +110,68 @@ def rotate_on_host(plan: RopePlan, outputs) -> None:
             out[..., r:] = x[..., r:]
         out[..., first] = rotated1
         out[..., second] = rotated2
+
+
+def store_as(values: np.ndarray, dtype: str, scale: float = 1.0) -> np.ndarray:
+    """float32 values as ``dtype``, rounded once; fp8 stores ``value / scale``, saturated to the
+    format's largest finite value (NaN stays NaN), as the kernels do."""
+    if dtype in FP8_MAX:
+        limit = np.float32(FP8_MAX[dtype])
+        scaled = np.clip(values / np.float32(scale), -limit, limit)
+        return scaled.astype(numpy_dtype(dtype))
+    return values.astype(numpy_dtype(dtype))
+
+
+def _write(out: np.ndarray, index, values: np.ndarray, dtype: str, scale: float) -> None:
+    stored = store_as(values, dtype, scale)
+    if out.dtype == np.uint8:  # fp8 bits in a uint8 array
+        stored = stored.view(np.uint8)
+    out[index] = stored
+
+
+def fused_on_host(plan: RopePlan, outputs) -> None:
+    """A fused call on the CPU: RMSNorm of each head (float32), the rotation, the stores to the
+    outputs (input dtype or fp8) and to the KV cache, with the kernels' arithmetic."""
+    f = plan.fusion
+    cos, sin = cos_sin_per_token(plan)
+    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
+    r, half = plan.rotary_dim, plan.rotary_dim // 2
+    if plan.interleaved:
+        first, second = slice(0, r, 2), slice(1, r, 2)
+    else:
+        first, second = slice(0, half), slice(half, r)
+    out_dtype = f.out_dtype or plan.q.dtype
+    write_pass = not plan.inplace or f.norm or f.out_dtype is not None
+    inputs = [plan.q] + ([plan.k] if plan.k is not None else [])
+    scales = [f.q_scale.value, f.k_scale.value]
+    rotated = []
+    for which, (info, out) in enumerate(zip(inputs, outputs)):
+        x = np.asarray(host_view(info)).astype(np.float32)
+        if f.norm:
+            weight = host_view(f.q_weight if which == 0 else f.k_weight).astype(np.float32)
+            mean = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+            rms = np.float32(1) / np.sqrt(mean + np.float32(f.eps))
+            x = x * (rms * (np.float32(f.weight_offset) + weight))
+        y = x.copy()
+        x1, x2 = x[..., first], x[..., second]
+        y[..., first] = x1 * cos - x2 * sin
+        y[..., second] = x2 * cos + x1 * sin
+        rotated.append(y)
+        columns = slice(None) if write_pass else slice(0, r)
+        _write(out, (Ellipsis, columns), y[..., columns], out_dtype, scales[which])
+    if f.writes_cache:
+        _write_cache(plan, rotated[1])
+
+
+def _write_cache(plan: RopePlan, k_rotated: np.ndarray) -> None:
+    """Rotated k and unchanged v into the rows of their slots (padding and slots past the cache
+    are skipped, as on the GPU)."""
+    f = plan.fusion
+    slots = np.asarray(host_view(f.slot_mapping)).astype(np.int64)
+    valid = (slots >= 0) & (slots < f.num_slots)
+    blocks, within = slots[valid] // f.block_size, slots[valid] % f.block_size
+    index = (blocks, within) if f.layout == "NHD" else (blocks, slice(None), within)
+    dtype = f.cache_dtype or plan.q.dtype
+    v = np.asarray(host_view(f.v)).astype(np.float32)
+    _write(np.asarray(host_view(f.k_cache)), index, k_rotated[valid], dtype, f.k_scale.value)
+    _write(np.asarray(host_view(f.v_cache)), index, v[valid], dtype, f.v_scale.value)

@@ -53,6 +53,8 @@ class RopePlan:
     mrope_mode: int = MROPE_NONE
     mrope_sections: tuple[int, int, int] | None = None
     positions_component_stride: int = 0
+    # The fused ops (cupyrope.fusion): RMSNorm, fp8 outputs, the KV-cache write; None for a rotation.
+    fusion: object | None = None
 
     @property
     def device(self) -> int | None:
@@ -218,7 +220,7 @@ def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=No
         _plan_positions(plan, positions)
 
     check_rotary_dim(plan.rotary_dim, "apply_rope", head_dim)
-    operands = _operands(plan)
+    operands = operands_of(plan)
     for name, info in operands:
         if info.on_gpu and info.ptr % ITEMSIZE[info.dtype]:
             raise ValueError(
@@ -231,7 +233,7 @@ def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=No
     return plan
 
 
-def _operands(plan: RopePlan) -> list[tuple[str, ArrayInfo]]:
+def operands_of(plan: RopePlan) -> list[tuple[str, ArrayInfo]]:
     named = (("q", plan.q), ("k", plan.k), ("positions", plan.positions),
              ("cos_sin_cache", plan.cache), ("cos", plan.cos), ("sin", plan.sin))
     return [(name, info) for name, info in named if info is not None]

@@ -32,11 +32,12 @@ class LaunchRecipe:
     the same shapes, strides, dtypes and alignment only fills in pointers and launches."""
 
     __slots__ = ("function_ptr", "device", "grid", "block", "shared_bytes", "sin_offset", "vector",
-                 "keep_alive", "spec", "torch", "in_place_checks", "_words", "_argv_address",
+                 "keep_alive", "spec", "torch", "in_place_checks", "_words", "_fusion_words",
+                 "_argv_address",
                  "_argv", "_lock", "_runtime", "_driver")
 
     def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive,
-                 shared_bytes=0, spec=None):
+                 shared_bytes=0, spec=None, fusion_params=None):
         self.function_ptr = function_ptr
         self.device = device
         self.grid = grid
@@ -51,8 +52,15 @@ class LaunchRecipe:
         # The parameter block is reused: only its pointer fields change between calls, and
         # cuLaunchKernel copies it before returning, so a lock around fill + launch suffices.
         self._words = _ParamsWords.from_buffer_copy(params.tobytes())
-        # cuLaunchKernel takes an array of pointers, one per kernel argument: ours is the struct.
-        self._argv = _ArgumentPointers(ctypes.addressof(self._words))
+        # cuLaunchKernel takes an array of pointers, one per kernel argument: ours is the struct
+        # (and the fused kernel's FusionParams after it).
+        if fusion_params is None:
+            self._argv = _ArgumentPointers(ctypes.addressof(self._words))
+        else:
+            self._fusion_words = (ctypes.c_uint64 * (fusion_params.itemsize // 8)).from_buffer_copy(
+                fusion_params.tobytes())
+            self._argv = (ctypes.c_void_p * 2)(ctypes.addressof(self._words),
+                                               ctypes.addressof(self._fusion_words))
         self._argv_address = ctypes.addressof(self._argv)
         self._lock = threading.Lock()
         cupy = cupy_module()

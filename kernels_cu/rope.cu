@@ -10,10 +10,11 @@
 //   threadIdx.z  a token, with blocks striding over tokens by gridDim.x.
 // cos/sin for a chunk are loaded (or computed) once per token and reused for every head.
 //
-// Two kernels: rope_lean_kernel for the common case (one token dim after merging, no M-RoPE,
+// Three kernels: rope_lean_kernel for the common case (one token dim after merging, no M-RoPE,
 // 16-byte accesses, 32-bit offsets, vector cos/sin rows: fewer registers and about half the
-// instructions), rope_kernel for every layout.
+// instructions), rope_kernel for every layout, rope_fused_kernel for the fused ops (fused.cuh).
 #include "angles.cuh"
+#include "fused.cuh"
 #include "numeric.cuh"
 #include "rope_params.cuh"
 #include "rotation.cuh"
@@ -179,6 +180,17 @@ void rope_lean_kernel(const RopeParams p) {
   } else {
     rope_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, true>(p);
   }
+}
+
+// The fused ops (fused.cuh): RMSNorm before the rotation, fp8 outputs, the KV-cache write. 3
+// resident blocks (80 registers) where that does not spill, else 2 (128): 64-bit offsets, and the
+// 16-byte NeoX path of 16-bit dtypes (8 pairs a lane: rotated values, cos/sin and two stores per
+// element live at once). tests/test_kernel_compile.py checks that nothing spills.
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
+__global__ __launch_bounds__(kMaxThreadsPerBlock,
+                             WIDE_INDEX || (VECTOR && !INTERLEAVED && sizeof(T) == 2) ? 2 : 3)
+void rope_fused_kernel(const RopeParams p, const FusionParams f) {
+  rope_fused_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX>(p, f);
 }
 
 }  // namespace cupyrope

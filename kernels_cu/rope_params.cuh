@@ -67,4 +67,45 @@ struct RopeParams {
   double attention_factor;       // multiplies cos and sin of in-kernel angles
 };
 
+// Storage formats of the fused kernel's outputs (FusionParams::out_format / cache_format;
+// StoreFormat in abi.py): the input dtype itself, or fp8 (value / scale, saturated).
+enum StoreFormat : int { kStoreInput = 0, kStoreE4M3 = 1, kStoreE5M2 = 2 };
+
+// dtypes of the RMSNorm weights (FusionParams::weight_dtype; WeightDtype in abi.py).
+enum WeightDtype : int { kWeightFloat32 = 0, kWeightFloat16 = 1, kWeightBFloat16 = 2 };
+
+// The second argument of rope_fused_kernel: what the fused ops add to a rotation. Every field is
+// 8 bytes wide (FUSION_PARAMS_DTYPE in abi.py).
+struct FusionParams {
+  // RMSNorm of each head before the rotation: x * rsqrt(mean(x^2) + eps) * (weight_offset + w).
+  const void* q_weight;          // [head_dim], weight_dtype; null without norm
+  const void* k_weight;
+  // fp8 scales as device scalars (float32), or null: then the *_scale_value fields hold them.
+  const float* q_scale;
+  const float* k_scale;
+  const float* v_scale;
+  // The KV-cache write: v [tokens, num_v_heads, head_dim] and the paged caches; null without.
+  const void* v;
+  void* k_cache;
+  void* v_cache;
+  const void* slot_mapping;      // one slot per token; negative: padding, nothing written
+
+  long long norm;
+  long long weight_dtype;
+  long long q_weight_stride, k_weight_stride;
+  long long out_format;          // q_out / k_out
+  long long cache_format;        // k_cache / v_cache
+  long long write_pass_through;  // dims past rotary_dim go to the outputs (copied or normalised)
+  long long num_v_heads;
+  long long v_token_stride, v_head_stride;
+  long long slot_stride, slots_are_int64, num_slots, block_size;
+  // Element strides of a cache: between blocks, between the slots of a block, between heads
+  // (NHD [blocks, block_size, heads, D] and HND [blocks, heads, block_size, D] alike).
+  long long k_cache_block_stride, k_cache_slot_stride, k_cache_head_stride;
+  long long v_cache_block_stride, v_cache_slot_stride, v_cache_head_stride;
+
+  double eps, weight_offset;
+  double q_scale_value, k_scale_value, v_scale_value;
+};
+
 }  // namespace cupyrope

@@ -20,6 +20,15 @@ struct Layout {
   static constexpr int pairs = INTERLEAVED ? (access >= 2 ? access / 2 : 1) : access;
 };
 
+// The rotation of one pair (x1, x2) by the angle whose cos and sin are given; sin_sign -1 rotates
+// backwards. Every kernel that rotates comes down to this.
+template <typename C>
+__device__ __forceinline__ void rotate_pair(C x1, C x2, C cos_a, C sin_a, C sin_sign, C& y1,
+                                            C& y2) {
+  y1 = x1 * cos_a - sin_sign * (x2 * sin_a);
+  y2 = x2 * cos_a + sin_sign * (x1 * sin_a);
+}
+
 // The elements of one head that one thread rotates: P pairs, as one access per half (NeoX) or
 // one access of side-by-side pairs (interleaved).
 template <typename T, int P, bool VECTOR, bool INTERLEAVED>
@@ -49,10 +58,11 @@ struct HeadChunk {
     for (int i = 0; i < P; ++i) {
       T& e1 = INTERLEAVED ? first[2 * i] : first[i];
       T& e2 = INTERLEAVED ? first[2 * i + 1] : second[i];
-      const C x1 = Convert<C>::from(e1);
-      const C x2 = Convert<C>::from(e2);
-      e1 = Store<T>::from(x1 * cos_v[i] - sin_sign * (x2 * sin_v[i]));
-      e2 = Store<T>::from(x2 * cos_v[i] + sin_sign * (x1 * sin_v[i]));
+      C y1, y2;
+      rotate_pair(Convert<C>::from(e1), Convert<C>::from(e2), cos_v[i], sin_v[i], sin_sign, y1,
+                  y2);
+      e1 = Store<T>::from(y1);
+      e2 = Store<T>::from(y2);
     }
     if constexpr (INTERLEAVED) {
       store_elements<VECTOR>(out + 2 * pair0, first);

@@ -13,6 +13,7 @@ template <> struct Chunk<16> { using type = uint4; };
 template <> struct Chunk<8> { using type = uint2; };
 template <> struct Chunk<4> { using type = unsigned int; };
 template <> struct Chunk<2> { using type = unsigned short; };
+template <> struct Chunk<1> { using type = unsigned char; };
 
 template <typename T, int N>
 struct VectorBytes {

@@ -12,7 +12,10 @@ from cupyrope.abi import (
     PARAMS_DTYPE,
     THREADS_PER_BLOCK,
     AngleSource,
+    FUSION_PARAMS_DTYPE,
     MRopeMode,
+    StoreFormat,
+    WeightDtype,
     access_layout,
 )
 from cupyrope.dtypes import CUDA_TYPE_NAMES, ITEMSIZE
@@ -61,6 +64,19 @@ def _constants_source() -> str:
         checks.append(
             f"static_assert(sizeof(((cupyrope::RopeParams*)0)->{name}) == {field.itemsize}, "
             f"\"size of {name}\");")
+    checks.append(f"static_assert(sizeof(cupyrope::FusionParams) == {FUSION_PARAMS_DTYPE.itemsize}, "
+                  "\"FusionParams size\");")
+    formats = {"INPUT": "kStoreInput", "E4M3": "kStoreE4M3", "E5M2": "kStoreE5M2"}
+    assert set(formats) == {f.name for f in StoreFormat}
+    for fmt in StoreFormat:
+        checks.append(f"static_assert(cupyrope::{formats[fmt.name]} == {int(fmt)}, "
+                      f"\"StoreFormat {fmt.name}\");")
+    weights = {"FLOAT32": "kWeightFloat32", "FLOAT16": "kWeightFloat16",
+               "BFLOAT16": "kWeightBFloat16"}
+    assert set(weights) == {w.name for w in WeightDtype}
+    for w in WeightDtype:
+        checks.append(f"static_assert(cupyrope::{weights[w.name]} == {int(w)}, "
+                      f"\"WeightDtype {w.name}\");")
     return '#include "rotation.cuh"\n' + "\n".join(checks) + "\n"
 
 
@@ -80,12 +96,13 @@ def test_a_mismatch_fails_the_check():
 def _layout_source() -> str:
     # __INTADDR__ is the offsetof of NVRTC's front end (EDG): every NVRTC accepts it, where 13.0
     # rejects __builtin_offsetof.
-    checks = ["using cupyrope::RopeParams;"]
-    for name in PARAMS_DTYPE.names:
-        offset = PARAMS_DTYPE.fields[name][1]
-        checks.append(
-            f"static_assert(__INTADDR__(&((RopeParams*)0)->{name}) == {offset}, "
-            f"\"offset of {name}\");")
+    checks = ["using cupyrope::RopeParams;", "using cupyrope::FusionParams;"]
+    for struct, dtype in (("RopeParams", PARAMS_DTYPE), ("FusionParams", FUSION_PARAMS_DTYPE)):
+        for name in dtype.names:
+            offset = dtype.fields[name][1]
+            checks.append(
+                f"static_assert(__INTADDR__(&(({struct}*)0)->{name}) == {offset}, "
+                f"\"offset of {name}\");")
     return '#include "rope_params.cuh"\n' + "\n".join(checks) + "\n"
 
 
@@ -104,6 +121,6 @@ def test_a_wrong_offset_fails_the_check():
 
 def test_every_field_is_eight_bytes():
     # No padding can appear between 8-byte fields, on any ABI.
-    for name in PARAMS_DTYPE.names:
-        field = PARAMS_DTYPE.fields[name][0]
-        assert field.base.itemsize == 8, name
+    for dtype in (PARAMS_DTYPE, FUSION_PARAMS_DTYPE):
+        for name in dtype.names:
+            assert dtype.fields[name][0].base.itemsize == 8, name

@@ -1,12 +1,13 @@
 """Every kernel specialisation compiles with NVRTC, without a GPU.
 
 NVRTC (the pip wheel ``nvidia-cuda-nvrtc``) and ptxas run on the host, so a machine with no GPU
-can still prove that each entry of ``cupyrope.kernels.SPECIALISATIONS`` instantiates, lowers to a
+can still prove that each entry of ``cupyrope.kernels.ALL_SPECIALISATIONS`` (the rope and the
+fused kernels) instantiates, lowers to a
 kernel symbol and assembles for Ampere (sm_80) and Hopper (sm_90) without register spills. This
 catches template errors in the ``.cuh`` headers long before a GPU run would.
 
 The specialisations go into a few programs per architecture (every fourth one in each): one
-program per specialisation would parse the headers 360 times, one program for all of them would
+program per specialisation would parse the headers 464 times, one program for all of them would
 keep a single pytest-xdist worker busy for minutes while the others idle.
 
 The tests skip when CuPy's NVRTC binding or libnvrtc is missing; CI sets
@@ -63,7 +64,7 @@ class CompiledProgram:
         self.log = log
 
 
-PARTS = 4  # programs per architecture
+PARTS = 6  # programs per architecture
 
 
 @pytest.fixture(scope="module", params=[(arch, part) for arch in ARCHITECTURES for part in range(PARTS)],
@@ -72,7 +73,7 @@ def compiled(request) -> CompiledProgram:
     nvrtc = _nvrtc_or_skip()
     arch, part = request.param
     source, _ = kernels._read_sources()
-    expressions = [spec.name_expression for spec in kernels.SPECIALISATIONS[part::PARTS]]
+    expressions = [spec.name_expression for spec in kernels.ALL_SPECIALISATIONS[part::PARTS]]
 
     program = nvrtc.createProgram(source, kernels.SOURCE_FILE, [], [])
     try:
@@ -101,8 +102,8 @@ def compiled(request) -> CompiledProgram:
 
 def test_specialisation_table_is_not_empty():
     # A vacuous table would make the compile tests pass without compiling anything.
-    assert len(kernels.SPECIALISATIONS) > 0
-    expressions = [spec.name_expression for spec in kernels.SPECIALISATIONS]
+    assert len(kernels.SPECIALISATIONS) > 0 and len(kernels.FUSED_SPECIALISATIONS) > 0
+    expressions = [spec.name_expression for spec in kernels.ALL_SPECIALISATIONS]
     assert len(set(expressions)) == len(expressions), "duplicate name expressions"
 
 

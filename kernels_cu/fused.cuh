@@ -1,0 +1,337 @@
+// The fused ops, built on the rotation of rotation.cuh: RMSNorm of each head before the rotation,
+// fp8 outputs, and the write of the rotated k and of v into a paged KV cache, all in the one pass
+// over q and k (and v) that the rotation makes anyway.
+//
+// Work is split as in the rope kernels (rope.cu): x lanes over the chunks of pairs of a head, y
+// heads (q, then k, then v when a cache is written), z tokens. The loop order differs: heads
+// outside, chunks inside, because RMSNorm needs the sum of squares of a whole head before any of
+// its elements can be rotated. The lanes of a head are blockDim.x consecutive threads of one warp
+// (the host makes blockDim.x a power of two when it normalises), so the sum is a warp shuffle.
+// Arithmetic is float32 throughout and each output is rounded once.
+#pragma once
+
+#include "angles.cuh"
+#include "numeric.cuh"
+#include "rope_params.cuh"
+#include "rotation.cuh"
+#include "token_offsets.cuh"
+#include "vector_io.cuh"
+
+namespace cupyrope {
+
+// float32 to fp8, rounded to nearest even and saturated to the largest finite value (NaN stays
+// NaN): what vLLM's and FlashInfer's fp8 stores do. The hardware conversion exists from compute
+// capability 8.9; the host refuses fp8 outputs on older GPUs before launching.
+__device__ __forceinline__ unsigned char to_fp8(float x, long long format) {
+#if __CUDA_ARCH__ >= 890
+  unsigned short two;
+  if (format == kStoreE4M3) {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(0.0f), "f"(x));
+  } else {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(two) : "f"(0.0f), "f"(x));
+  }
+  return static_cast<unsigned char>(two & 0xffu);  // the second operand lands in the low byte
+#else
+  __trap();  // unreachable: no fp8 launch on GPUs without the conversion
+  return 0;
+#endif
+}
+
+// N values stored at element `offset` of `base`: as the input dtype T, or as fp8 bytes of
+// value / scale (vLLM's scale convention).
+template <typename T, bool VECTOR, int N, typename Index>
+__device__ __forceinline__ void store_values(void* base, Index offset, const float (&v)[N],
+                                             long long format, float scale) {
+  if (format == kStoreInput) {
+    T out[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = Store<T>::from(v[i]);
+    store_elements<VECTOR>(static_cast<T*>(base) + offset, out);
+  } else {
+    unsigned char out[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_fp8(v[i] / scale, format);
+    store_elements<VECTOR>(static_cast<unsigned char*>(base) + offset, out);
+  }
+}
+
+__device__ __forceinline__ float load_weight(const void* w, long long i, long long dtype) {
+  if (dtype == kWeightBFloat16) return to_float(static_cast<const bfloat16_t*>(w)[i]);
+  if (dtype == kWeightFloat16) return to_float(static_cast<const half_t*>(w)[i]);
+  return static_cast<const float*>(w)[i];
+}
+
+__device__ __forceinline__ float scale_of(const float* device_scale, double value) {
+  return device_scale != nullptr ? *device_scale : static_cast<float>(value);
+}
+
+// Sum over the blockDim.x lanes of one head: consecutive threads of one warp, blockDim.x a power
+// of two. Only those lanes take part (the other heads of the warp may loop differently).
+__device__ __forceinline__ float lanes_sum(float v) {
+  const unsigned width = blockDim.x;
+  const unsigned linear = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const unsigned first = (linear & 31u) & ~(width - 1u);
+  const unsigned mask = width >= 32u ? 0xffffffffu : ((1u << width) - 1u) << first;
+  for (unsigned offset = width / 2; offset > 0; offset /= 2) {
+    v += __shfl_xor_sync(mask, v, offset);
+  }
+  return v;
+}
+
+template <typename T, int P, bool VECTOR, bool INTERLEAVED>
+__device__ __forceinline__ float sum_of_squares(const HeadChunk<T, P, VECTOR, INTERLEAVED>& c) {
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < (INTERLEAVED ? 2 * P : P); ++i) {
+    const float x = to_float(c.first[i]);
+    s = fmaf(x, x, s);
+  }
+  if constexpr (!INTERLEAVED) {
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const float x = to_float(c.second[i]);
+      s = fmaf(x, x, s);
+    }
+  }
+  return s;
+}
+
+// Where one head's results go: its output row (q_out / k_out, input dtype or fp8) and, for a k
+// head whose token has a cache slot, its row in the k cache.
+template <typename Index>
+struct HeadTargets {
+  void* out;
+  Index out_offset;
+  float out_scale;
+  long long cache_offset;  // < 0: no cache write
+};
+
+// The per-head multiplier of element `dim`: rsqrt(mean + eps) * (weight_offset + w[dim]), or 1.
+// The block keeps weight_offset + w of q and of k in shared memory (fill_norm_weights).
+struct HeadNorm {
+  const float* weights;  // shared memory, [head_dim]; null when the op does not normalise
+  float rms_scale;
+  template <typename Index>
+  __device__ __forceinline__ float at(Index dim) const {
+    return weights == nullptr ? 1.0f : rms_scale * weights[dim];
+  }
+};
+
+// weight_offset + weight of q and of k, as float32, into the block's shared memory: read once a
+// block instead of once per head and element (and no dtype switch in the inner loops).
+__device__ __forceinline__ float* fill_norm_weights(const FusionParams& f, long long head_dim) {
+  extern __shared__ __align__(16) unsigned char fused_shared[];
+  float* const weights = reinterpret_cast<float*>(fused_shared);
+  const long long rank = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const long long threads = static_cast<long long>(blockDim.x) * blockDim.y * blockDim.z;
+  const float offset = static_cast<float>(f.weight_offset);
+  for (long long i = rank; i < 2 * head_dim; i += threads) {
+    const bool k = i >= head_dim;
+    const long long d = k ? i - head_dim : i;
+    const void* w = k ? f.k_weight : f.q_weight;
+    weights[i] = w == nullptr ? 0.0f
+                              : offset + load_weight(w, d * (k ? f.k_weight_stride : f.q_weight_stride),
+                                                     f.weight_dtype);
+  }
+  __syncthreads();
+  return weights;
+}
+
+// Rotate one chunk of pairs (already loaded) and store it to the head's targets.
+template <typename T, int P, bool VECTOR, bool INTERLEAVED, typename Index>
+__device__ __forceinline__ void rotate_chunk_to(const FusionParams& f,
+                                                const HeadChunk<T, P, VECTOR, INTERLEAVED>& chunk,
+                                                Index pair0, Index half, const float (&cos_v)[P],
+                                                const float (&sin_v)[P], float sin_sign,
+                                                const HeadNorm& norm, const HeadTargets<Index>& t,
+                                                float k_cache_scale) {
+  float y1[P], y2[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const Index d1 = INTERLEAVED ? 2 * (pair0 + i) : pair0 + i;
+    const Index d2 = INTERLEAVED ? d1 + 1 : half + pair0 + i;
+    const float x1 = to_float(INTERLEAVED ? chunk.first[2 * i] : chunk.first[i]) * norm.at(d1);
+    const float x2 = to_float(INTERLEAVED ? chunk.first[2 * i + 1] : chunk.second[i]) *
+                     norm.at(d2);
+    rotate_pair(x1, x2, cos_v[i], sin_v[i], sin_sign, y1[i], y2[i]);
+  }
+  if constexpr (INTERLEAVED) {
+    float y[2 * P];
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      y[2 * i] = y1[i];
+      y[2 * i + 1] = y2[i];
+    }
+    store_values<T, VECTOR>(t.out, t.out_offset + 2 * pair0, y, f.out_format, t.out_scale);
+    if (t.cache_offset >= 0) {
+      store_values<T, VECTOR>(f.k_cache, t.cache_offset + 2 * pair0, y, f.cache_format,
+                              k_cache_scale);
+    }
+  } else {
+    store_values<T, VECTOR>(t.out, t.out_offset + pair0, y1, f.out_format, t.out_scale);
+    store_values<T, VECTOR>(t.out, t.out_offset + half + pair0, y2, f.out_format, t.out_scale);
+    if (t.cache_offset >= 0) {
+      store_values<T, VECTOR>(f.k_cache, t.cache_offset + pair0, y1, f.cache_format,
+                              k_cache_scale);
+      store_values<T, VECTOR>(f.k_cache, t.cache_offset + half + pair0, y2, f.cache_format,
+                              k_cache_scale);
+    }
+  }
+}
+
+// Element offset of a cache slot's row of head `head` (NHD or HND through the strides).
+// 64-bit always: a KV cache is often past 2^31 elements while q and k are far from it.
+__device__ __forceinline__ long long cache_row(long long slot, long long block_size,
+                                               long long block_stride, long long slot_stride,
+                                               long long head_stride, long long head) {
+  return (slot / block_size) * block_stride + (slot % block_size) * slot_stride +
+         head * head_stride;
+}
+
+// The fused kernel's body: every token this thread's block strides over; per token, cos/sin of the
+// lane's first chunk once, then each head this thread visits: RMSNorm (sum of squares over the
+// lanes), rotation of its chunks, the dims past rotary_dim, and the cache rows; v heads are
+// copied to the v cache.
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
+__device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const FusionParams& f) {
+  using Index = typename IndexOf<WIDE_INDEX>::type;
+  using L = Layout<T, VECTOR, INTERLEAVED>;
+  using Chunk = HeadChunk<T, L::pairs, VECTOR, INTERLEAVED>;
+  constexpr int P = L::pairs;
+  constexpr int A = L::access;
+
+  const TableT* __restrict__ cos_table = static_cast<const TableT*>(p.cos);
+  const TableT* __restrict__ sin_table = static_cast<const TableT*>(p.sin);
+  const Index cos_col_stride = static_cast<Index>(p.cos_col_stride);
+  const Index sin_col_stride = static_cast<Index>(p.sin_col_stride);
+  const bool table_vector_ok = p.table_vector_ok != 0;
+  const float sin_sign = static_cast<float>(p.sin_sign);
+  // Table-read angles take the sign per head (see HeadChunk::rotate_store); computed ones have it.
+  const float head_sign = SOURCE == kComputedAngles ? 1.0f : sin_sign;
+
+  const Index head_dim = static_cast<Index>(p.head_dim);
+  const Index rotary_dim = static_cast<Index>(p.rotary_dim), half = rotary_dim / 2;
+  const Index num_chunks = half / P, head_chunks = head_dim / A;
+  const bool many_chunks = num_chunks > static_cast<Index>(blockDim.x);
+  const bool pass_through = f.norm || f.write_pass_through || f.k_cache != nullptr;
+  const Index pass_chunks = pass_through ? (head_dim - rotary_dim) / A : 0;
+  const Index num_q_heads = static_cast<Index>(p.num_q_heads);
+  const Index num_rotated = num_q_heads + static_cast<Index>(p.num_k_heads);
+  const Index num_heads = num_rotated + (f.k_cache != nullptr ? static_cast<Index>(f.num_v_heads) : 0);
+  const Index num_tokens = static_cast<Index>(p.num_tokens);
+  const Index first_head = static_cast<Index>(blockIdx.y) * blockDim.y + threadIdx.y;
+  const Index head_step = static_cast<Index>(gridDim.y) * blockDim.y;
+  const Index token_step = static_cast<Index>(gridDim.x) * blockDim.z;
+  const Index lane0 = threadIdx.x;
+  const bool has_chunk = lane0 < num_chunks;
+
+  const float q_scale = scale_of(f.q_scale, f.q_scale_value);
+  const float k_scale = scale_of(f.k_scale, f.k_scale_value);
+  const float v_scale = scale_of(f.v_scale, f.v_scale_value);
+  const float inv_dim = 1.0f / static_cast<float>(head_dim);
+  const float* const norm_weights = f.norm ? fill_norm_weights(f, head_dim) : nullptr;
+
+  for (Index token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
+       token < num_tokens; token += token_step) {
+    const TokenOffsets<Index> o = token_offsets(p, token);
+    long long position = 0;
+    if constexpr (SOURCE != kTokenTables) position = load_position(p, o.positions);
+    // The token's cache slot: vLLM's slot_mapping. Negative (padding) or past the cache: skipped.
+    long long slot = -1;
+    if (f.k_cache != nullptr) {
+      const long long at = static_cast<long long>(token) * f.slot_stride;
+      slot = f.slots_are_int64 ? static_cast<const long long*>(f.slot_mapping)[at]
+                               : static_cast<const int*>(f.slot_mapping)[at];
+      if (slot >= f.num_slots) slot = -1;
+    }
+
+    // cos/sin of the lane's chunk: once per token, at its first head, for every head; per chunk
+    // and head when a lane has several chunks (scalar accesses of a wide head). One call site,
+    // so that the angle code is emitted once.
+    float cos_v[P], sin_v[P];
+    bool have_angles = false;
+
+    for (Index head = first_head; head < num_heads; head += head_step) {
+      if (head >= num_rotated) {  // a v head: to the v cache, unchanged but for the fp8 store
+        if (slot < 0) continue;
+        const Index vh = head - num_rotated;
+        const T* v_row = static_cast<const T*>(f.v) + token * static_cast<Index>(f.v_token_stride) +
+                         vh * static_cast<Index>(f.v_head_stride);
+        const long long row = cache_row(slot, f.block_size, f.v_cache_block_stride,
+                                           f.v_cache_slot_stride, f.v_cache_head_stride, vh);
+        for (Index c = lane0; c < head_chunks; c += blockDim.x) {
+          T raw[A];
+          float v[A];
+          load_elements<VECTOR>(raw, v_row + c * A);
+#pragma unroll
+          for (int i = 0; i < A; ++i) v[i] = to_float(raw[i]);
+          store_values<T, VECTOR>(f.v_cache, row + static_cast<long long>(c) * A, v,
+                                  f.cache_format, v_scale);
+        }
+        continue;
+      }
+
+      const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
+      const bool is_k = head >= num_q_heads;
+      const Index kh = head - num_q_heads;
+      HeadTargets<Index> t;
+      t.out = is_k ? p.k_out : p.q_out;
+      t.out_offset = is_k ? o.k_out + kh * static_cast<Index>(p.k_out_head_stride)
+                          : o.q_out + head * static_cast<Index>(p.q_out_head_stride);
+      t.out_scale = is_k ? k_scale : q_scale;
+      t.cache_offset = is_k && slot >= 0
+                           ? cache_row(slot, f.block_size, f.k_cache_block_stride,
+                                       f.k_cache_slot_stride, f.k_cache_head_stride, kh)
+                           : -1LL;
+
+      HeadNorm norm{nullptr, 1.0f};
+      if (f.norm) {
+        // The sum of squares of the whole head: this lane's chunks and its share of the dims
+        // past rotary_dim (read again below, from L1).
+        float s = 0.0f;
+        for (Index lane = lane0; lane < num_chunks; lane += blockDim.x) {
+          Chunk chunk;
+          chunk.load(rows.in, lane * P, half);
+          s += sum_of_squares(chunk);
+        }
+        for (Index c = lane0; c < pass_chunks; c += blockDim.x) {
+          T raw[A];
+          load_elements<VECTOR>(raw, rows.in + rotary_dim + c * A);
+#pragma unroll
+          for (int i = 0; i < A; ++i) s = fmaf(to_float(raw[i]), to_float(raw[i]), s);
+        }
+        s = lanes_sum(s);
+        norm.weights = norm_weights + (is_k ? head_dim : 0);
+        norm.rms_scale = 1.0f / sqrtf(fmaf(s, inv_dim, static_cast<float>(f.eps)));
+      }
+
+      for (Index lane = lane0; lane < num_chunks; lane += blockDim.x) {
+        if (many_chunks || !have_angles) {
+          have_angles = true;
+          chunk_angles<SOURCE, false>(p, o, position, lane * P, cos_table, sin_table,
+                                      cos_col_stride, sin_col_stride, table_vector_ok, sin_sign,
+                                      cos_v, sin_v);
+        }
+        Chunk chunk;
+        chunk.load(rows.in, lane * P, half);
+        rotate_chunk_to(f, chunk, lane * P, half, cos_v, sin_v, head_sign, norm, t, k_scale);
+      }
+      for (Index c = lane0; c < pass_chunks; c += blockDim.x) {
+        const Index col = rotary_dim + c * A;
+        T raw[A];
+        float v[A];
+        load_elements<VECTOR>(raw, rows.in + col);
+#pragma unroll
+        for (int i = 0; i < A; ++i) v[i] = to_float(raw[i]) * norm.at(col + i);
+        if (f.write_pass_through) {
+          store_values<T, VECTOR>(t.out, t.out_offset + col, v, f.out_format, t.out_scale);
+        }
+        if (t.cache_offset >= 0) {
+          store_values<T, VECTOR>(f.k_cache, t.cache_offset + col, v, f.cache_format, k_scale);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace cupyrope

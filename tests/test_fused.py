@@ -1,0 +1,358 @@
+"""The fused ops against the float64 reference, on every backend: QK-RMSNorm + RoPE
+(``rms_norm_rope``), fp8 outputs (``apply_rope(out_dtype=...)``) and RoPE + KV-cache write
+(``rope_and_cache``), plus their refusals. The NumPy path runs in CI; CuPy and torch CUDA run the
+fused kernel on the GPU (marked gpu)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupyrope as cr
+from backends import Backend, angle_source, backend_params, require
+from reference import reference_rope
+from tolerances import np_dtype, unit_roundoff
+
+BACKENDS = backend_params(["numpy", "torch", "jax", "cupy", "torch-cuda", "jax-gpu"])
+MUTABLE = backend_params(["numpy", "torch", "cupy", "torch-cuda"])
+FP8 = ["float8_e4m3fn", "float8_e5m2"]
+
+
+@pytest.fixture
+def backend(request) -> Backend:
+    b = Backend(request.param)
+    require(b)
+    return b
+
+
+def _host(backend: Backend, x) -> np.ndarray:
+    """A backend array's values as NumPy (fp8 bits that CuPy returns as uint8 included)."""
+    if backend.framework == "torch":
+        import torch
+
+        x = x.detach().cpu()
+        if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return x.view(torch.uint8).numpy().view(getattr(ml_dtypes, str(x.dtype)[6:]))
+    return backend.get(x)
+
+
+def _rms_norm64(x, weight, eps, weight_offset):
+    x = np.asarray(x, dtype=np.float64)
+    rms = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x / rms * (weight_offset + np.asarray(weight, dtype=np.float64))
+
+
+def _assert_close(out, expected64, dtype, what):
+    """Within 1 ulp of the output dtype (plus float32 arithmetic) of the exact value, scaled by
+    the head's magnitude: the contract of the rotation, for normalised inputs."""
+    out = np.asarray(out, dtype=np.float64)
+    scale = np.max(np.abs(expected64), axis=-1, keepdims=True) + 1e-30
+    bound = scale * (2 * unit_roundoff(dtype) + 64 * 2.0 ** -24)
+    err = np.abs(out - expected64)
+    assert np.all(err <= bound), (f"{what}: max error {err.max():.3g}, bound {bound.min():.3g} "
+                                  f"at {np.unravel_index(np.argmax(err - bound), err.shape)}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("source", ["cache", "tables_half", "computed"])
+@pytest.mark.parametrize("interleaved,rotary_fraction,weight_offset",
+                         [(False, 1, 0.0), (True, 1, 1.0), (False, 2, 1.0), (True, 2, 0.0)])
+def test_rms_norm_rope_matches_the_reference(backend, rng, dtype, source, interleaved,
+                                             rotary_fraction, weight_offset):
+    T, Hq, Hk, D = 37, 6, 2, 128
+    r = D // rotary_fraction
+    positions = rng.integers(0, 4096, T)
+    q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
+    k = (rng.standard_normal((T, Hk, D)) * 3).astype(np_dtype(dtype))
+    wq = rng.uniform(0.5, 1.5, D).astype(np_dtype(dtype))
+    wk = rng.uniform(0.5, 1.5, D).astype(np_dtype(dtype))
+    lib, ref_kw, _ = angle_source(source, (T,), positions, r, interleaved=interleaved)
+    put = {name: backend.put(v) if isinstance(v, np.ndarray) else v for name, v in lib.items()}
+    q_out, k_out = cr.rms_norm_rope(backend.put(q), backend.put(k), backend.put(wq),
+                                    backend.put(wk), eps=1e-6, weight_offset=weight_offset,
+                                    interleaved=interleaved, **put)
+    for x, w, out, name in ((q, wq, q_out, "q"), (k, wk, k_out, "k")):
+        expected = reference_rope(_rms_norm64(x, w, 1e-6, weight_offset),
+                                  interleaved=interleaved, **ref_kw)
+        got = _host(backend, out)
+        assert got.dtype == np_dtype(dtype) and got.shape == x.shape
+        _assert_close(got, expected, dtype, f"{backend} {name}")
+
+
+@pytest.mark.parametrize("backend", MUTABLE, indirect=True)
+def test_rms_norm_rope_in_place_on_fused_qkv_views(backend, rng):
+    """vLLM's layout: q and k are views of one [T, (Hq + 2 Hk) D] buffer; v is never touched."""
+    T, Hq, Hk, D = 9, 4, 2, 64
+    qkv = rng.standard_normal((T, (Hq + 2 * Hk) * D)).astype(np_dtype("bfloat16"))
+    w = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    cache = cr.cos_sin_cache(256, D, dtype="float32")
+    positions = rng.integers(0, 256, T)
+    buf = backend.put(qkv)
+    q = buf[:, :Hq * D].reshape(T, Hq, D)
+    k = buf[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D)
+    cr.rms_norm_rope(q, k, backend.put(w), backend.put(w), backend.put(positions), eps=1e-6,
+                     cos_sin_cache=backend.put(cache), inplace=True)
+    got = _host(backend, buf)
+    np.testing.assert_array_equal(got[:, (Hq + Hk) * D:], qkv[:, (Hq + Hk) * D:])
+    for lo, heads in ((0, Hq), (Hq * D, Hk)):
+        x = qkv[:, lo:lo + heads * D].reshape(T, heads, D)
+        expected = reference_rope(_rms_norm64(x, w, 1e-6, 0.0), positions,
+                                  cos_sin_cache=cache)
+        _assert_close(got[:, lo:lo + heads * D].reshape(T, heads, D), expected, "bfloat16",
+                      "fused qkv")
+
+
+def test_rms_norm_rope_matches_transformers_qwen3():
+    """Qwen3's q_norm / k_norm then apply_rotary_pos_emb: float32 to a few float32 ulps, bfloat16
+    (where transformers rounds after the norm, the weight and each rotation term) within 2 ulps."""
+    torch = pytest.importorskip("torch")
+    qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    T, Hq, Hk, D = 16, 8, 2, 128
+    g = torch.Generator().manual_seed(3)
+    for dtype, ulps in ((torch.float32, None), (torch.bfloat16, 2)):
+        q = torch.randn(1, T, Hq, D, generator=g).to(dtype)
+        k = torch.randn(1, T, Hk, D, generator=g).to(dtype)
+        q_norm, k_norm = qwen3.Qwen3RMSNorm(D, eps=1e-6), qwen3.Qwen3RMSNorm(D, eps=1e-6)
+        with torch.no_grad():
+            q_norm.weight.uniform_(0.5, 1.5, generator=g)
+            k_norm.weight.uniform_(0.5, 1.5, generator=g)
+        q_norm, k_norm = q_norm.to(dtype), k_norm.to(dtype)
+        positions = torch.arange(T)
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+        angles = positions[:, None].double() * inv_freq
+        emb = torch.cat([angles, angles], dim=-1)
+        cos, sin = emb.cos()[None].to(dtype), emb.sin()[None].to(dtype)
+        with torch.no_grad():
+            hq = q_norm(q).transpose(1, 2)
+            hk = k_norm(k).transpose(1, 2)
+            want_q, want_k = qwen3.apply_rotary_pos_emb(hq, hk, cos, sin)
+            got_q, got_k = cr.rms_norm_rope(q, k, q_norm.weight, k_norm.weight, eps=1e-6,
+                                            cos=cos, sin=sin)
+        for got, want in ((got_q, want_q.transpose(1, 2)), (got_k, want_k.transpose(1, 2))):
+            diff = (got.double() - want.double()).abs()
+            magnitude = want.double().abs().amax(dim=-1, keepdim=True)
+            if ulps is None:
+                assert torch.all(diff <= magnitude * 64 * 2.0 ** -24)
+            else:
+                assert torch.all(diff <= magnitude * ulps * 2.0 ** -7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("fp8", FP8)
+def test_fp8_outputs_round_the_exact_value_once(backend, rng, fp8):
+    if backend.framework == "jax" and backend.on_gpu is False:
+        pass
+    T, Hq, Hk, D = 23, 4, 1, 96
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32) * 4
+    k = rng.standard_normal((T, Hk, D)).astype(np.float32) * 4
+    positions = rng.integers(0, 1000, T)
+    q_out, k_out = cr.apply_rope(backend.put(q), backend.put(k), backend.put(positions),
+                                 rotary_dim=64, out_dtype=fp8, q_scale=0.25, k_scale=2.0)
+    fmt = np.dtype(getattr(ml_dtypes, fp8))
+    for x, out, scale in ((q, q_out, 0.25), (k, k_out, 2.0)):
+        got = _host(backend, out)
+        if got.dtype == np.uint8:  # CuPy: the bits
+            got = got.view(fmt)
+        assert got.dtype == fmt and got.shape == x.shape
+        exact = reference_rope(x, positions, rotary_dim=64) / scale
+        # One rounding of a float32 value within a few float32 ulps of the exact one: the
+        # neighbours of the correctly rounded fp8 value at most.
+        lo = np.nextafter(exact.astype(np.float32), -np.inf).astype(fmt).astype(np.float64)
+        hi = np.nextafter(exact.astype(np.float32), np.inf).astype(fmt).astype(np.float64)
+        value = got.astype(np.float64)
+        assert np.all((value >= np.minimum(lo, hi)) & (value <= np.maximum(lo, hi)))
+
+
+@pytest.mark.parametrize("backend", MUTABLE, indirect=True)
+@pytest.mark.parametrize("fp8", FP8)
+def test_fp8_saturates_instead_of_overflowing(backend, fp8):
+    q = np.full((2, 1, 8), 1e6, np.float32)
+    q[1] = -1e6
+    out = _host(backend, cr.apply_rope(backend.put(q), positions=backend.put(np.zeros(2, np.int64)),
+                                       out_dtype=fp8))
+    fmt = np.dtype(getattr(ml_dtypes, fp8))
+    values = out.view(fmt).astype(np.float64) if out.dtype == np.uint8 else out.astype(np.float64)
+    limit = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}[fp8]
+    assert np.all(values[0] == limit) and np.all(values[1] == -limit)
+
+
+def _put_fp8(backend: Backend, host: np.ndarray):
+    """An fp8 array on the backend: torch's own fp8 dtype, CuPy's uint8 bits, else as is."""
+    if backend.framework == "torch":
+        import torch
+
+        bits = backend.put(host.view(np.uint8))
+        return bits.view(getattr(torch, host.dtype.name))
+    if backend.framework == "cupy":
+        return backend.put(host.view(np.uint8))
+    return backend.put(host)
+
+
+def _cache_case(rng, *, T=29, Hq=4, Hk=2, D=64, num_blocks=8, block_size=4, layout="NHD"):
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    k = rng.standard_normal((T, Hk, D)).astype(np.float32)
+    v = rng.standard_normal((T, Hk, D)).astype(np.float32)
+    slots = rng.permutation(num_blocks * block_size)[:T].astype(np.int64)
+    slots[::5] = -1  # padding
+    shape = ((num_blocks, block_size, Hk, D) if layout == "NHD" else (num_blocks, Hk, block_size, D))
+    return q, k, v, slots, shape
+
+
+def _cache_rows(cache, layout):
+    """[slot, head, D] view of a cache."""
+    if layout == "HND":
+        cache = np.swapaxes(cache, 1, 2)
+    return cache.reshape(-1, *cache.shape[2:])
+
+
+@pytest.mark.parametrize("backend", MUTABLE, indirect=True)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_rope_and_cache_writes_rotated_k_and_v(backend, rng, layout, block_size, dtype):
+    q, k, v, slots, shape = _cache_case(rng, layout=layout, block_size=block_size,
+                                        num_blocks=64 // block_size + 2)
+    dt = np_dtype(dtype)
+    q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+    positions = rng.integers(0, 512, len(q))
+    cache = cr.cos_sin_cache(512, 64, dtype="float32")
+    kc0 = np.full(shape, 7, dt)
+    kc, vc = backend.put(kc0), backend.put(kc0)
+    qd, kd = backend.put(q), backend.put(k)
+    q_out, k_out, kc_out, vc_out = cr.rope_and_cache(
+        qd, kd, backend.put(v), backend.put(positions), kc, vc, backend.put(slots),
+        cos_sin_cache=backend.put(cache), layout=layout)
+    assert q_out is qd and k_out is kd and kc_out is kc and vc_out is vc
+    k_rot = reference_rope(k, positions, cos_sin_cache=cache)
+    _assert_close(_host(backend, q_out), reference_rope(q, positions, cos_sin_cache=cache), dtype,
+                  "q")
+    rows_k, rows_v = _cache_rows(_host(backend, kc), layout), _cache_rows(_host(backend, vc), layout)
+    valid = slots >= 0
+    _assert_close(rows_k[slots[valid]], k_rot[valid], dtype, "k cache")
+    np.testing.assert_array_equal(rows_v[slots[valid]], v[valid])
+    untouched = np.setdiff1d(np.arange(rows_k.shape[0]), slots[valid])
+    assert np.all(rows_k[untouched].astype(np.float32) == 7)
+    assert np.all(rows_v[untouched].astype(np.float32) == 7)
+
+
+@pytest.mark.parametrize("backend", MUTABLE, indirect=True)
+@pytest.mark.parametrize("fp8", FP8)
+def test_rope_and_cache_fp8_with_norm_in_one_call(backend, rng, fp8):
+    """QK-norm + RoPE + fp8 cache write, caches as two views of one [blocks, 2, ...] buffer."""
+    q, k, v, slots, _ = _cache_case(rng, num_blocks=8, block_size=4)
+    D = q.shape[-1]
+    w = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    positions = rng.integers(0, 256, len(q))
+    fmt = np.dtype(getattr(ml_dtypes, fp8))
+    combined = np.zeros((8, 2, 4, 2, D), fmt)
+    buf = _put_fp8(backend, combined)
+    extra = {"cache_dtype": fp8} if backend.framework == "cupy" else {}
+    q_out, k_out, _, _ = cr.rope_and_cache(
+        backend.put(q), backend.put(k), backend.put(v), backend.put(positions), buf[:, 0],
+        buf[:, 1], backend.put(slots), theta=1e6, k_scale=0.5, v_scale=2.0, q_weight=backend.put(w),
+        k_weight=backend.put(w), eps=1e-6, inplace=False, **extra)
+    host = _host(backend, buf)
+    host = host.view(fmt) if host.dtype == np.uint8 else host
+    valid = slots >= 0
+    k_exact = reference_rope(_rms_norm64(k, w, 1e-6, 0.0), positions, theta=1e6) / 0.5
+    v_exact = v.astype(np.float64) / 2.0
+    for rows, exact in ((host[:, 0].reshape(-1, 2, D), k_exact), (host[:, 1].reshape(-1, 2, D),
+                                                                  v_exact)):
+        got = rows[slots[valid]].astype(np.float64)
+        lo = np.nextafter(exact[valid].astype(np.float32), -np.inf).astype(fmt).astype(np.float64)
+        hi = np.nextafter(exact[valid].astype(np.float32), np.inf).astype(fmt).astype(np.float64)
+        assert np.all((got >= np.minimum(lo, hi)) & (got <= np.maximum(lo, hi)))
+    _assert_close(_host(backend, k_out),
+                  reference_rope(_rms_norm64(k, w, 1e-6, 0.0), positions, theta=1e6), "float32",
+                  "k_out")
+
+
+def test_slots_past_the_cache_are_skipped_or_refused(rng):
+    q, k, v, slots, shape = _cache_case(rng, T=12, num_blocks=4, block_size=4)
+    slots[1] = 1000
+    kc, vc = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    with pytest.raises(IndexError, match="slot_mapping holds 1 slot"):
+        cr.rope_and_cache(q.copy(), k.copy(), v, None, kc, vc, slots, validate=True)
+    assert not kc.any() and not vc.any()
+    cr.rope_and_cache(q.copy(), k.copy(), v, None, kc, vc, slots)
+    assert kc.any()
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("cache_heads", ValueError, "does not hold 2 heads"),
+    ("cache_dtype", TypeError, "caches must have q's dtype"),
+    ("v_tokens", ValueError, "v must have k's shape"),
+    ("slot_shape", ValueError, "slot_mapping must have shape"),
+    ("slot_dtype", TypeError, "slot_mapping must be int32 or int64"),
+    ("scale_shape", ValueError, "k_scale must be a number or a 0-d"),
+    ("layout", ValueError, "layout must be one of"),
+    ("overlap", ValueError, "k_cache shares memory with v_cache"),
+    ("uint8", TypeError, "uint8 caches hold fp8 bits"),
+    ("blocks", ValueError, "same blocks and block size"),
+])
+def test_rope_and_cache_refusals_write_nothing(rng, case, error, match):
+    q, k, v, slots, shape = _cache_case(rng)
+    kc, vc = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    kw = {}
+    if case == "cache_heads":
+        kc = vc = None
+        kc, vc = np.zeros(shape[:2] + (3, 64), np.float32), np.zeros(shape[:2] + (3, 64), np.float32)
+    elif case == "cache_dtype":
+        kc, vc = kc.astype(np.float16), vc.astype(np.float16)
+    elif case == "v_tokens":
+        v = v[:-1]
+    elif case == "slot_shape":
+        slots = slots[:-1]
+    elif case == "slot_dtype":
+        slots = slots.astype(np.float32)
+    elif case == "scale_shape":
+        kw["k_scale"] = np.ones(2, np.float32)
+        kc, vc = kc.astype(ml_dtypes.float8_e4m3fn), vc.astype(ml_dtypes.float8_e4m3fn)
+    elif case == "layout":
+        kw["layout"] = "NDH"
+    elif case == "overlap":
+        vc = kc
+    elif case == "uint8":
+        kc, vc = kc.astype(np.uint8), vc.astype(np.uint8)
+    elif case == "blocks":
+        vc = vc[:-1]
+    q0, k0 = q.copy(), k.copy()
+    before = kc.copy(), vc.copy()
+    with pytest.raises(error, match=match):
+        cr.rope_and_cache(q, k, v, None, kc, vc, slots, **kw)
+    np.testing.assert_array_equal(q, q0)
+    np.testing.assert_array_equal(k, k0)
+    np.testing.assert_array_equal(kc, before[0])
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"eps": None}, TypeError, "eps is required"),
+    ({"eps": "1e-6"}, TypeError, "eps must be a number"),
+    ({"q_weight": np.ones(32, np.float32)}, ValueError, r"q_weight must have shape \(64,\)"),
+    ({"q_weight": np.ones(64, np.float64)}, TypeError, "q_weight must be one of"),
+    ({"k_weight": np.ones(64, np.float16)}, TypeError, "one dtype"),
+    ({"out_dtype": "int8"}, ValueError, "out_dtype must be None or one of"),
+    ({"out_dtype": "float8_e4m3fn", "inplace": True}, ValueError, "pass inplace=False"),
+    ({"q_scale": 0.5}, ValueError, "q_scale is only used with an fp8 out_dtype"),
+])
+def test_rms_norm_rope_refusals(rng, kwargs, error, match):
+    q = rng.standard_normal((3, 2, 64)).astype(np.float32)
+    k = rng.standard_normal((3, 1, 64)).astype(np.float32)
+    args = {"q_weight": np.ones(64, np.float32), "k_weight": np.ones(64, np.float32), "eps": 1e-6}
+    args.update(kwargs)
+    q0 = q.copy()
+    with pytest.raises(error, match=match):
+        cr.rms_norm_rope(q, k, args.pop("q_weight"), args.pop("k_weight"), np.arange(3), **args)
+    np.testing.assert_array_equal(q, q0)
+
+
+def test_fused_ops_refuse_float64_and_autograd(rng):
+    q = rng.standard_normal((3, 2, 64))
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32 for the fused ops"):
+        cr.rms_norm_rope(q, None, np.ones(64, np.float32), None, eps=1e-6)
+    torch = pytest.importorskip("torch")
+    t = torch.randn(3, 2, 64, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="gradients of the fused ops"):
+        cr.rms_norm_rope(t, None, torch.ones(64), None, eps=1e-6)
