@@ -106,8 +106,8 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
     if out_dtype is not None or q_scale is not None or k_scale is not None:
         return execute.run_fused(
             "apply_rope", q, k, positions,
-            rope=_rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved,
-                               rotary_dim, inverse, inplace, seq_len),
+            rope=_rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
+                           inverse, inplace, seq_len),
             fusion=dict(out_dtype=out_dtype, q_scale=q_scale, k_scale=k_scale),
             validate=validate, refuse_route=_refuse_framework_route)
     if _compiling():  # torch.compile / export tracing: the traceable custom op
@@ -238,9 +238,8 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
     """
     return execute.run_fused(
         "rms_norm_rope", q, k, positions,
-        rope=dict(cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta, scaling=scaling,
-                  interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
-                  inplace=inplace, seq_len=seq_len),
+        rope=_rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
+                           inverse, inplace, seq_len),
         fusion=dict(norm=True, q_weight=q_weight, k_weight=k_weight, eps=eps,
                     weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
                     k_scale=k_scale),
@@ -292,9 +291,8 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
     norm = q_weight is not None or k_weight is not None
     return execute.run_fused(
         "rope_and_cache", q, k, positions,
-        rope=dict(cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta, scaling=scaling,
-                  interleaved=interleaved, rotary_dim=rotary_dim, inverse=False,
-                  inplace=inplace, seq_len=seq_len),
+        rope=_rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
+                           False, inplace, seq_len),
         fusion=dict(norm=norm, q_weight=q_weight, k_weight=k_weight, eps=eps,
                     weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
                     k_scale=k_scale, v=v, k_cache=k_cache, v_cache=v_cache,

@@ -50,13 +50,7 @@ def run(q, k, positions, cos_sin_cache, cos, sin, *, theta, scaling, interleaved
     if validate:
         check_values(plan)
 
-    inputs = [plan.q] + ([plan.k] if plan.k is not None else [])
-    if plan.inplace:
-        natives, outputs = [info.obj for info in inputs], inputs
-    else:
-        made = [empty_like_caller(info) for info in inputs]
-        natives, outputs = [m[0] for m in made], [m[1] for m in made]
-
+    inputs, natives, outputs = _outputs(plan)
     recipe = rotate(plan, outputs)
     if plan.inplace:
         mark_written(*natives)
@@ -70,6 +64,17 @@ def run(q, k, positions, cos_sin_cache, cos, sin, *, theta, scaling, interleaved
 
     results = natives if plan.inplace else [finish(info, out) for info, out in zip(inputs, natives)]
     return results[0] if plan.k is None else (results[0], results[1])
+
+
+def _outputs(plan: RopePlan, dtype: str | None = None):
+    """(inputs, natives, outputs) of a plan: the arrays rotated, what the caller gets back and
+    what the launch writes: the inputs themselves in place, else new arrays of the caller's type
+    (of ``dtype``, by default the input's)."""
+    inputs = [plan.q] + ([plan.k] if plan.k is not None else [])
+    if plan.inplace:
+        return inputs, [info.obj for info in inputs], inputs
+    made = [empty_like_caller(info, dtype) for info in inputs]
+    return inputs, [m[0] for m in made], [m[1] for m in made]
 
 
 def rotate(plan: RopePlan, outputs: list[ArrayInfo]):
@@ -112,12 +117,7 @@ def run_fused(where: str, q, k, positions, *, rope: dict, fusion: dict, validate
         refuse_route(where, q, k, positions, rope, fusion)
     plan = plan_fused(where, q, k, positions, rope=rope, fusion=fusion, validate=validate)
     f = plan.fusion
-    inputs = [plan.q] + ([plan.k] if plan.k is not None else [])
-    if plan.inplace:
-        natives, outputs = [info.obj for info in inputs], inputs
-    else:
-        made = [empty_like_caller(info, f.out_dtype) for info in inputs]
-        natives, outputs = [m[0] for m in made], [m[1] for m in made]
+    inputs, natives, outputs = _outputs(plan, f.out_dtype)
     rotate(plan, outputs)
     written = natives if plan.inplace else []
     if f.writes_cache:

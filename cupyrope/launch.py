@@ -254,6 +254,8 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
         p["table_vector_ok"] = _table_vector_ok(plan, pairs, cos_ptr, sin_ptr, row_strides)
 
     wide_index = needs_wide_index(plan, outputs)
+    pointers = (plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr, 0 if k is None else k_out.ptr,
+                0 if plan.positions is None else plan.positions.ptr, cos_ptr, sin_ptr)
     if fusion is not None:
         spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
                           wide_index, fused=True)
@@ -263,9 +265,6 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                                       multiprocessors, extra_heads=extra_heads,
                                       power_of_two_lanes=fusion.norm)
         shared_bytes = 2 * plan.head_dim * 4 if fusion.norm else 0  # the norm weights, float32
-        pointers = (plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr,
-                    0 if k is None else k_out.ptr,
-                    0 if plan.positions is None else plan.positions.ptr, cos_ptr, sin_ptr)
         return LaunchSpec(spec, p, grid, block, shared_bytes, pointers, sin_offset, vector,
                           fusion_params)
     lean = lean_kernel_applies(plan, vector=vector, wide_index=wide_index, token_ndim=len(shape),
@@ -279,8 +278,6 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
         block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
                                       multiprocessors)
         shared_bytes = 0
-    pointers = (plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr, 0 if k is None else k_out.ptr,
-                0 if plan.positions is None else plan.positions.ptr, cos_ptr, sin_ptr)
     return LaunchSpec(spec, p, grid, block, shared_bytes, pointers, sin_offset, vector)
 
 

@@ -223,7 +223,6 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
   const Index head_step = static_cast<Index>(gridDim.y) * blockDim.y;
   const Index token_step = static_cast<Index>(gridDim.x) * blockDim.z;
   const Index lane0 = threadIdx.x;
-  const bool has_chunk = lane0 < num_chunks;
 
   const float q_scale = scale_of(f.q_scale, f.q_scale_value);
   const float k_scale = scale_of(f.k_scale, f.k_scale_value);

@@ -242,7 +242,7 @@ if [[ "${GPU_CHECK_SANITIZER:-0}" == 1 ]]; then
             section "compute-sanitizer --tool ${tool}"
             # One cudaMalloc per array (no CuPy pool) so that memcheck sees every array's bounds.
             CUPYROPE_TEST_NO_POOL=1 compute-sanitizer --tool "${tool}" --print-limit 20 \
-                "${PY}" -m pytest tests/test_gpu.py tests/test_reliability_gpu.py -q -x -p no:cacheprovider \
+                "${PY}" -m pytest tests/test_gpu.py tests/test_reliability_gpu.py tests/test_fused.py -q -x -p no:cacheprovider \
                 -k "${GPU_CHECK_SANITIZER_K-${SANITIZER_SUBSET}}" 2>&1 \
                 | tee "${OUT_DIR}/sanitizer_${tool}.log"
             status=${PIPESTATUS[0]}

@@ -37,22 +37,26 @@ def _compile(source: str, name: str) -> str | None:
         nvrtc.destroyProgram(program)
 
 
+def _enum_checks(enum_type, cuda_names: dict[str, str]) -> list[str]:
+    """static_asserts that every member of a Python enum has its CUDA constant's value."""
+    assert set(cuda_names) == {member.name for member in enum_type}
+    return [f"static_assert(cupyrope::{cuda_names[m.name]} == {int(m)}, "
+            f"\"{enum_type.__name__} {m.name}\");" for m in enum_type]
+
+
 def _constants_source() -> str:
     checks = [f"static_assert(cupyrope::kMaxTokenDims == {MAX_TOKEN_DIMS}, \"kMaxTokenDims\");",
               f"static_assert(cupyrope::kMaxThreadsPerBlock == {THREADS_PER_BLOCK}, \"threads\");",
               f"static_assert(sizeof(cupyrope::RopeParams) == {PARAMS_DTYPE.itemsize}, \"size\");"]
-    cuda_sources = {"CACHE_TABLE": "kCacheTable", "TOKEN_TABLES": "kTokenTables",
-                    "COMPUTED": "kComputedAngles"}
-    assert set(cuda_sources) == {s.name for s in AngleSource}
-    for source in AngleSource:
-        checks.append(f"static_assert(cupyrope::{cuda_sources[source.name]} == {int(source)}, "
-                      f"\"AngleSource {source.name}\");")
-    cuda_modes = {"NONE": "kMRopeNone", "SECTIONED": "kMRopeSectioned",
-                  "INTERLEAVED": "kMRopeInterleaved"}
-    assert set(cuda_modes) == {m.name for m in MRopeMode}
-    for mode in MRopeMode:
-        checks.append(f"static_assert(cupyrope::{cuda_modes[mode.name]} == {int(mode)}, "
-                      f"\"MRopeMode {mode.name}\");")
+    checks += _enum_checks(AngleSource, {"CACHE_TABLE": "kCacheTable",
+                                         "TOKEN_TABLES": "kTokenTables",
+                                         "COMPUTED": "kComputedAngles"})
+    checks += _enum_checks(MRopeMode, {"NONE": "kMRopeNone", "SECTIONED": "kMRopeSectioned",
+                                       "INTERLEAVED": "kMRopeInterleaved"})
+    checks += _enum_checks(StoreFormat, {"INPUT": "kStoreInput", "E4M3": "kStoreE4M3",
+                                         "E5M2": "kStoreE5M2"})
+    checks += _enum_checks(WeightDtype, {"FLOAT32": "kWeightFloat32", "FLOAT16": "kWeightFloat16",
+                                         "BFLOAT16": "kWeightBFloat16"})
     for dtype, vector, interleaved in itertools.product(CUDA_TYPE_NAMES, (True, False), (True, False)):
         access, pairs = access_layout(ITEMSIZE[dtype], vector, interleaved)
         layout = (f"cupyrope::Layout<{CUDA_TYPE_NAMES[dtype]}, {str(vector).lower()}, "
@@ -66,17 +70,6 @@ def _constants_source() -> str:
             f"\"size of {name}\");")
     checks.append(f"static_assert(sizeof(cupyrope::FusionParams) == {FUSION_PARAMS_DTYPE.itemsize}, "
                   "\"FusionParams size\");")
-    formats = {"INPUT": "kStoreInput", "E4M3": "kStoreE4M3", "E5M2": "kStoreE5M2"}
-    assert set(formats) == {f.name for f in StoreFormat}
-    for fmt in StoreFormat:
-        checks.append(f"static_assert(cupyrope::{formats[fmt.name]} == {int(fmt)}, "
-                      f"\"StoreFormat {fmt.name}\");")
-    weights = {"FLOAT32": "kWeightFloat32", "FLOAT16": "kWeightFloat16",
-               "BFLOAT16": "kWeightBFloat16"}
-    assert set(weights) == {w.name for w in WeightDtype}
-    for w in WeightDtype:
-        checks.append(f"static_assert(cupyrope::{weights[w.name]} == {int(w)}, "
-                      f"\"WeightDtype {w.name}\");")
     return '#include "rotation.cuh"\n' + "\n".join(checks) + "\n"
 
 
