@@ -109,7 +109,7 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
             rope=_rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
                            inverse, inplace, seq_len),
             fusion=dict(out_dtype=out_dtype, q_scale=q_scale, k_scale=k_scale),
-            validate=validate, refuse_route=_refuse_framework_route)
+            validate=validate, router=_fused_route)
     if _compiling():  # torch.compile / export tracing: the traceable custom op
         return _torch_ops().apply_rope(
             q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
@@ -170,27 +170,23 @@ def _rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_d
                 seq_len=seq_len)
 
 
-def _refuse_framework_route(where, q, k, positions, rope, fusion) -> None:
-    """The fused ops run on arrays: autograd, torch.compile tracing and JAX tracing of them are
-    refused with a message rather than run untracked."""
+def _fused_route(where, q, k, positions, rope, fusion):
+    """The module whose ``run_fused`` must take a fused call, or None for the array path: calls
+    traced by torch.compile and torch tensors that require grad go to ``cupyrope.torch_ops``, JAX
+    tracers to ``cupyrope.jax_ops``. As for :func:`_framework_route`, only a framework the caller
+    has already imported is asked."""
     if _compiling():
-        raise NotImplementedError(
-            f"{where}: fused ops are not traceable by torch.compile yet; call it outside the "
-            "compiled region, or use apply_rope (which is)")
-    arrays = (q, k, positions, *rope.values(), *fusion.values())
-    torch_ops = _torch_ops() if "torch" in sys.modules else None
-    if torch_ops is not None and (torch_ops.needs_autograd(q, k)
-                                  or torch_ops.needs_autograd(fusion.get("v"), None)):
-        raise NotImplementedError(
-            f"{where}: gradients of the fused ops are not available yet; call it under "
-            "torch.no_grad() or on detached tensors (apply_rope is differentiable)")
+        return _torch_ops()
+    if "torch" in sys.modules:
+        torch_ops = _torch_ops()
+        if torch_ops.needs_autograd(q, k) or torch_ops.needs_autograd(fusion.get("v"), None):
+            return torch_ops
     if "jax" in sys.modules:
         from . import jax_ops
 
-        if jax_ops.is_traced(*arrays):
-            raise NotImplementedError(
-                f"{where}: the fused ops take concrete JAX arrays, not tracers (jax.jit / "
-                "jax.grad / jax.vmap); call it outside the traced function")
+        if jax_ops.is_traced(q, k, positions, *rope.values(), *fusion.values()):
+            return jax_ops
+    return None
 
 
 def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | None,
@@ -243,7 +239,7 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
         fusion=dict(norm=True, q_weight=q_weight, k_weight=k_weight, eps=eps,
                     weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
                     k_scale=k_scale),
-        validate=validate, refuse_route=_refuse_framework_route)
+        validate=validate, router=_fused_route)
 
 
 def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cache: Array,
@@ -298,4 +294,4 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
                     k_scale=k_scale, v=v, k_cache=k_cache, v_cache=v_cache,
                     slot_mapping=slot_mapping, layout=layout, v_scale=v_scale,
                     cache_dtype=cache_dtype),
-        validate=validate, refuse_route=_refuse_framework_route)
+        validate=validate, router=_fused_route)

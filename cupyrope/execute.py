@@ -107,14 +107,18 @@ def clear() -> None:
 
 
 def run_fused(where: str, q, k, positions, *, rope: dict, fusion: dict, validate: bool,
-              refuse_route=None):
+              router=None):
     """A fused op on arrays (:func:`cupyrope.rms_norm_rope`, :func:`cupyrope.rope_and_cache`,
     ``apply_rope(out_dtype=...)``): the plan, new outputs (fp8 when asked), one fused launch on
     the GPU or the NumPy path on the host. Returns the outputs as :func:`run` does, then the
-    caches (written in place) when the call writes them. ``refuse_route(q, k, ...)`` raises for
-    calls that need a framework route the fused ops do not have yet."""
-    if refuse_route is not None:
-        refuse_route(where, q, k, positions, rope, fusion)
+    caches (written in place) when the call writes them. ``router(where, q, k, positions, rope,
+    fusion)`` returns the module whose ``run_fused`` must take the call instead (autograd,
+    tracing), or None."""
+    if router is not None:
+        route = router(where, q, k, positions, rope, fusion)
+        if route is not None:
+            return route.run_fused(where, q, k, positions, rope=rope, fusion=fusion,
+                                   validate=validate)
     plan = plan_fused(where, q, k, positions, rope=rope, fusion=fusion, validate=validate)
     f = plan.fusion
     inputs, natives, outputs = _outputs(plan, f.out_dtype)

@@ -96,6 +96,14 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     return q_out if k is None else (q_out, k_out)
 
 
+def run_fused(where, q, k, positions, *, rope: dict, fusion: dict, validate: bool):
+    """A fused op (``rms_norm_rope``, ``rope_and_cache``, ``apply_rope(out_dtype=...)``) with a
+    JAX tracer among its arguments."""
+    raise NotImplementedError(
+        f"{where}: the fused ops take concrete JAX arrays, not tracers (jax.jit / "
+        "jax.grad / jax.vmap); call it outside the traced function")
+
+
 def _as_jax(x, name: str):
     if x is None or isinstance(x, (jax.Array, jax.core.Tracer)):
         return x

@@ -128,6 +128,18 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     return q if k is None else (q, k)
 
 
+def run_fused(where, q, k, positions, *, rope: dict, fusion: dict, validate: bool):
+    """A fused op (``rms_norm_rope``, ``rope_and_cache``, ``apply_rope(out_dtype=...)``) traced
+    by torch.compile or on tensors that require grad."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            f"{where}: fused ops are not traceable by torch.compile yet; call it outside the "
+            "compiled region, or use apply_rope (which is)")
+    raise NotImplementedError(
+        f"{where}: gradients of the fused ops are not available yet; call it under "
+        "torch.no_grad() or on detached tensors (apply_rope is differentiable)")
+
+
 def _check_tensor(x, name: str) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(
