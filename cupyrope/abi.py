@@ -87,7 +87,7 @@ FUSION_PARAMS_DTYPE = np.dtype(
         "cache_format", "write_pass_through", "num_v_heads", "v_token_stride", "v_head_stride",
         "slot_stride", "slots_are_int64", "num_slots", "block_size", "k_cache_block_stride",
         "k_cache_slot_stride", "k_cache_head_stride", "v_cache_block_stride",
-        "v_cache_slot_stride", "v_cache_head_stride")]
+        "v_cache_slot_stride", "v_cache_head_stride", "ring")]
     + [(name, np.float64) for name in ("eps", "weight_offset", "q_scale_value", "k_scale_value",
                                        "v_scale_value")]
 )

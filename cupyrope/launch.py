@@ -259,12 +259,14 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
     if fusion is not None:
         spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
                           wide_index, fused=True)
+        ring = fused_ring(plan, fusion, vector)
         fusion_params = fusion_struct(plan, fusion, copy_pass)
+        fusion_params["ring"] = ring
         extra_heads = plan.num_k_heads if fusion.writes_cache else 0
         block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
                                       multiprocessors, extra_heads=extra_heads,
                                       power_of_two_lanes=fusion.norm)
-        shared_bytes = 2 * plan.head_dim * 4 if fusion.norm else 0  # the norm weights, float32
+        shared_bytes = fused_shared_bytes(plan, fusion, ring, block)
         return LaunchSpec(spec, p, grid, block, shared_bytes, pointers, sin_offset, vector,
                           fusion_params)
     lean = lean_kernel_applies(plan, vector=vector, wide_index=wide_index, token_ndim=len(shape),
@@ -394,6 +396,25 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
 
 # ------------------------------------------------------------------------------------------------
 # The fused kernel (kernels_cu/fused.cuh): what it adds to a rope launch.
+
+
+# The fused kernel's ring of head chunks in flight per thread (kRingDepth x kRingSlotBytes in
+# kernels_cu/fused.cuh), and the launches that use it: RMSNorm on 16-byte accesses with many
+# tokens (measured on an H100: it takes rms_norm_rope from 62% to 70% of an SM copy at T = 65536,
+# but slows T = 512 from 8.7 to 10.5 us and the ops without a norm by a few percent).
+FUSED_RING_BYTES_PER_THREAD = 4 * 32
+FUSED_RING_MIN_TOKENS = 4096
+
+
+def fused_ring(plan: RopePlan, fusion, vector: bool) -> bool:
+    return vector and fusion.norm and plan.num_tokens >= FUSED_RING_MIN_TOKENS
+
+
+def fused_shared_bytes(plan: RopePlan, fusion, ring: bool, block) -> int:
+    """Dynamic shared memory of a fused launch: the ring of chunks in flight (when used), then
+    the norm weights of q and k as float32."""
+    ring_bytes = FUSED_RING_BYTES_PER_THREAD * block[0] * block[1] * block[2] if ring else 0
+    return ring_bytes + (2 * plan.head_dim * 4 if fusion.norm else 0)
 
 
 def fusion_touches_pass_through(fusion) -> bool:

@@ -113,11 +113,13 @@ def rotate_on_host(plan: RopePlan, outputs) -> None:
 
 
 def store_as(values: np.ndarray, dtype: str, scale: float = 1.0) -> np.ndarray:
-    """float32 values as ``dtype``, rounded once; fp8 stores ``value / scale``, saturated to the
-    format's largest finite value (NaN stays NaN), as the kernels do."""
+    """float32 values as ``dtype``, rounded once; fp8 stores ``value / scale`` as the kernels do:
+    ``value * (1 / scale)`` with the reciprocal rounded to float32, saturated to the format's
+    largest finite value (NaN stays NaN)."""
     if dtype in FP8_MAX:
         limit = np.float32(FP8_MAX[dtype])
-        scaled = np.clip(values / np.float32(scale), -limit, limit)
+        inverse = np.float32(1) / np.float32(scale)
+        scaled = np.clip(values * inverse, -limit, limit)
         return scaled.astype(numpy_dtype(dtype))
     return values.astype(numpy_dtype(dtype))
 

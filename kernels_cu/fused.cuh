@@ -19,18 +19,19 @@
 
 namespace cupyrope {
 
-// float32 to fp8, rounded to nearest even and saturated to the largest finite value (NaN stays
-// NaN): what vLLM's and FlashInfer's fp8 stores do. The hardware conversion exists from compute
-// capability 8.9; the host refuses fp8 outputs on older GPUs before launching.
-__device__ __forceinline__ unsigned char to_fp8(float x, long long format) {
+// Two float32 values to fp8, rounded to nearest even and saturated to the largest finite value
+// (NaN stays NaN): what vLLM's and FlashInfer's fp8 stores do. `low` lands in the low byte. The
+// hardware conversion exists from compute capability 8.9; the host refuses fp8 outputs on older
+// GPUs before launching.
+__device__ __forceinline__ unsigned short to_fp8x2(float low, float high, long long format) {
 #if __CUDA_ARCH__ >= 890
   unsigned short two;
   if (format == kStoreE4M3) {
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(0.0f), "f"(x));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(high), "f"(low));
   } else {
-    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(two) : "f"(0.0f), "f"(x));
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(two) : "f"(high), "f"(low));
   }
-  return static_cast<unsigned char>(two & 0xffu);  // the second operand lands in the low byte
+  return two;
 #else
   __trap();  // unreachable: no fp8 launch on GPUs without the conversion
   return 0;
@@ -38,10 +39,12 @@ __device__ __forceinline__ unsigned char to_fp8(float x, long long format) {
 }
 
 // N values stored at element `offset` of `base`: as the input dtype T, or as fp8 bytes of
-// value / scale (vLLM's scale convention).
+// value * (1 / scale) (vLLM's scale convention, stored = value / scale, with the reciprocal
+// rounded to float32 once: a multiply per element instead of a division, which made the fp8
+// stores instruction-bound; the NumPy path does the same). Two values a conversion.
 template <typename T, bool VECTOR, int N, typename Index>
 __device__ __forceinline__ void store_values(void* base, Index offset, const float (&v)[N],
-                                             long long format, float scale) {
+                                             long long format, float inv_scale) {
   if (format == kStoreInput) {
     T out[N];
 #pragma unroll
@@ -50,7 +53,14 @@ __device__ __forceinline__ void store_values(void* base, Index offset, const flo
   } else {
     unsigned char out[N];
 #pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = to_fp8(v[i] / scale, format);
+    for (int i = 0; i + 1 < N; i += 2) {
+      const unsigned short two = to_fp8x2(v[i] * inv_scale, v[i + 1] * inv_scale, format);
+      out[i] = static_cast<unsigned char>(two & 0xffu);
+      out[i + 1] = static_cast<unsigned char>(two >> 8);
+    }
+    if constexpr (N % 2 == 1) {
+      out[N - 1] = static_cast<unsigned char>(to_fp8x2(v[N - 1] * inv_scale, 0.0f, format) & 0xffu);
+    }
     store_elements<VECTOR>(static_cast<unsigned char*>(base) + offset, out);
   }
 }
@@ -61,8 +71,9 @@ __device__ __forceinline__ float load_weight(const void* w, long long i, long lo
   return static_cast<const float*>(w)[i];
 }
 
-__device__ __forceinline__ float scale_of(const float* device_scale, double value) {
-  return device_scale != nullptr ? *device_scale : static_cast<float>(value);
+// 1 / scale, rounded to float32 (the stores multiply by it).
+__device__ __forceinline__ float inverse_scale_of(const float* device_scale, double value) {
+  return 1.0f / (device_scale != nullptr ? *device_scale : static_cast<float>(value));
 }
 
 // Sum over the blockDim.x lanes of one head: consecutive threads of one warp, blockDim.x a power
@@ -102,7 +113,7 @@ template <typename Index>
 struct HeadTargets {
   void* out;
   Index out_offset;
-  float out_scale;
+  float out_inv_scale;
   long long cache_offset;  // < 0: no cache write
 };
 
@@ -117,13 +128,20 @@ struct HeadNorm {
   }
 };
 
+// The pipelined loop's ring (see rope_fused_tokens and ring_slot below): kRingDepth slots of
+// kRingSlotBytes per thread.
+constexpr int kRingDepth = 4;
+constexpr int kRingSlotBytes = 32;  // one chunk of 16-byte accesses: two (NeoX) or one (interleaved)
+
 // weight_offset + weight of q and of k, as float32, into the block's shared memory: read once a
 // block instead of once per head and element (and no dtype switch in the inner loops).
+// They follow the ring when the launch has one (f.ring).
 __device__ __forceinline__ float* fill_norm_weights(const FusionParams& f, long long head_dim) {
   extern __shared__ __align__(16) unsigned char fused_shared[];
-  float* const weights = reinterpret_cast<float*>(fused_shared);
   const long long rank = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
   const long long threads = static_cast<long long>(blockDim.x) * blockDim.y * blockDim.z;
+  float* const weights = reinterpret_cast<float*>(
+      fused_shared + (f.ring ? threads * kRingDepth * kRingSlotBytes : 0));
   const float offset = static_cast<float>(f.weight_offset);
   for (long long i = rank; i < 2 * head_dim; i += threads) {
     const bool k = i >= head_dim;
@@ -137,6 +155,65 @@ __device__ __forceinline__ float* fill_norm_weights(const FusionParams& f, long 
   return weights;
 }
 
+// A thread's ring slot, at the start of the block's shared memory (the norm weights follow the
+// ring). Each thread fills and
+// reads only its own slots, so no barrier is needed: cp.async.wait_group orders a thread's copies
+// before its own reads.
+
+__device__ __forceinline__ unsigned char* ring_slot(int slot) {
+  extern __shared__ __align__(16) unsigned char fused_shared[];
+  const int rank = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  return fused_shared + (rank * kRingDepth + slot) * kRingSlotBytes;
+}
+
+// 16 bytes from global to shared memory without passing through registers (cp.async, compute
+// capability 8.0+; a plain copy before it).
+__device__ __forceinline__ void copy16_async(unsigned char* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(src) : "memory");
+#else
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+
+__device__ __forceinline__ void commit_copies() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Wait until at most kRingDepth - 1 groups of this thread's copies are in flight: the oldest slot
+// has landed.
+__device__ __forceinline__ void wait_oldest_copy() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(kRingDepth - 1) : "memory");
+#endif
+}
+
+// One head chunk (16-byte accesses) into a ring slot, and back out of it.
+template <typename T, int P, bool INTERLEAVED, typename Index>
+__device__ __forceinline__ void chunk_to_slot(unsigned char* slot, const T* in, Index pair0,
+                                              Index half) {
+  if constexpr (INTERLEAVED) {
+    copy16_async(slot, in + 2 * pair0);
+  } else {
+    copy16_async(slot, in + pair0);
+    copy16_async(slot + 16, in + half + pair0);
+  }
+}
+
+template <typename T, int P, bool INTERLEAVED>
+__device__ __forceinline__ void chunk_from_slot(HeadChunk<T, P, true, INTERLEAVED>& chunk,
+                                                const unsigned char* slot) {
+  static_assert(sizeof(chunk.first) == 16 && (INTERLEAVED || sizeof(chunk.second) == 16),
+                "a ring slot holds one chunk of 16-byte accesses");
+  *reinterpret_cast<uint4*>(chunk.first) = *reinterpret_cast<const uint4*>(slot);
+  if constexpr (!INTERLEAVED) {
+    *reinterpret_cast<uint4*>(chunk.second) = *reinterpret_cast<const uint4*>(slot + 16);
+  }
+}
+
 // Rotate one chunk of pairs (already loaded) and store it to the head's targets.
 template <typename T, int P, bool VECTOR, bool INTERLEAVED, typename Index>
 __device__ __forceinline__ void rotate_chunk_to(const FusionParams& f,
@@ -144,7 +221,7 @@ __device__ __forceinline__ void rotate_chunk_to(const FusionParams& f,
                                                 Index pair0, Index half, const float (&cos_v)[P],
                                                 const float (&sin_v)[P], float sin_sign,
                                                 const HeadNorm& norm, const HeadTargets<Index>& t,
-                                                float k_cache_scale) {
+                                                float k_cache_inv_scale) {
   float y1[P], y2[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) {
@@ -162,36 +239,99 @@ __device__ __forceinline__ void rotate_chunk_to(const FusionParams& f,
       y[2 * i] = y1[i];
       y[2 * i + 1] = y2[i];
     }
-    store_values<T, VECTOR>(t.out, t.out_offset + 2 * pair0, y, f.out_format, t.out_scale);
+    store_values<T, VECTOR>(t.out, t.out_offset + 2 * pair0, y, f.out_format, t.out_inv_scale);
     if (t.cache_offset >= 0) {
       store_values<T, VECTOR>(f.k_cache, t.cache_offset + 2 * pair0, y, f.cache_format,
-                              k_cache_scale);
+                              k_cache_inv_scale);
     }
   } else {
-    store_values<T, VECTOR>(t.out, t.out_offset + pair0, y1, f.out_format, t.out_scale);
-    store_values<T, VECTOR>(t.out, t.out_offset + half + pair0, y2, f.out_format, t.out_scale);
+    store_values<T, VECTOR>(t.out, t.out_offset + pair0, y1, f.out_format, t.out_inv_scale);
+    store_values<T, VECTOR>(t.out, t.out_offset + half + pair0, y2, f.out_format, t.out_inv_scale);
     if (t.cache_offset >= 0) {
       store_values<T, VECTOR>(f.k_cache, t.cache_offset + pair0, y1, f.cache_format,
-                              k_cache_scale);
+                              k_cache_inv_scale);
       store_values<T, VECTOR>(f.k_cache, t.cache_offset + half + pair0, y2, f.cache_format,
-                              k_cache_scale);
+                              k_cache_inv_scale);
     }
   }
 }
 
-// Element offset of a cache slot's row of head `head` (NHD or HND through the strides).
-// 64-bit always: a KV cache is often past 2^31 elements while q and k are far from it.
-__device__ __forceinline__ long long cache_row(long long slot, long long block_size,
-                                               long long block_stride, long long slot_stride,
-                                               long long head_stride, long long head) {
-  return (slot / block_size) * block_stride + (slot % block_size) * slot_stride +
-         head * head_stride;
+// A token's cache slot split once into its block and its row in the block (vLLM's slot_mapping):
+// the row of head h is then `base + h * head_stride` for either cache. 64-bit always: a KV cache
+// is often past 2^31 elements while q and k are far from it.
+struct SlotRows {
+  long long k_base, v_base;  // < 0: no cache write for this token
+};
+
+__device__ __forceinline__ SlotRows slot_rows(const FusionParams& f, long long token) {
+  if (f.k_cache == nullptr) return {-1, -1};
+  const long long at = token * f.slot_stride;
+  const long long slot = f.slots_are_int64 ? static_cast<const long long*>(f.slot_mapping)[at]
+                                           : static_cast<const int*>(f.slot_mapping)[at];
+  // Negative (padding) or past the cache: skipped (documented; validate=True raises instead).
+  if (slot < 0 || slot >= f.num_slots) return {-1, -1};
+  const long long block = slot / f.block_size, row = slot - block * f.block_size;
+  return {block * f.k_cache_block_stride + row * f.k_cache_slot_stride,
+          block * f.v_cache_block_stride + row * f.v_cache_slot_stride};
 }
 
-// The fused kernel's body: every token this thread's block strides over; per token, cos/sin of the
-// lane's first chunk once, then each head this thread visits: RMSNorm (sum of squares over the
-// lanes), rotation of its chunks, the dims past rotary_dim, and the cache rows; v heads are
-// copied to the v cache.
+// The per-head state of one token shared by every head a thread visits.
+template <typename Index>
+struct TokenState {
+  TokenOffsets<Index> o;
+  SlotRows slot;
+};
+
+// Where head `head` (a q or k head) of the token goes: its output row and its k cache row.
+template <typename T, typename Index>
+__device__ __forceinline__ HeadTargets<Index> head_targets(const RopeParams& p,
+                                                           const FusionParams& f,
+                                                           const TokenState<Index>& s, Index head,
+                                                           float q_inv_scale, float k_inv_scale) {
+  const Index num_q_heads = static_cast<Index>(p.num_q_heads);
+  const bool is_k = head >= num_q_heads;
+  const Index kh = head - num_q_heads;
+  HeadTargets<Index> t;
+  t.out = is_k ? p.k_out : p.q_out;
+  t.out_offset = is_k ? s.o.k_out + kh * static_cast<Index>(p.k_out_head_stride)
+                      : s.o.q_out + head * static_cast<Index>(p.q_out_head_stride);
+  t.out_inv_scale = is_k ? k_inv_scale : q_inv_scale;
+  t.cache_offset = is_k && s.slot.k_base >= 0
+                       ? s.slot.k_base + static_cast<long long>(kh) * f.k_cache_head_stride
+                       : -1LL;
+  return t;
+}
+
+// Copy v head `vh` of the token into the v cache (fp8: value / v_scale), lane by lane.
+template <typename T, bool VECTOR, int A, typename Index>
+__device__ __forceinline__ void store_v_head(const FusionParams& f, Index token, Index vh,
+                                             long long v_base, Index head_chunks, float v_inv_scale) {
+  const T* v_row = static_cast<const T*>(f.v) + token * static_cast<Index>(f.v_token_stride) +
+                   vh * static_cast<Index>(f.v_head_stride);
+  const long long row = v_base + static_cast<long long>(vh) * f.v_cache_head_stride;
+  for (Index c = threadIdx.x; c < head_chunks; c += blockDim.x) {
+    T raw[A];
+    float v[A];
+    load_elements<VECTOR>(raw, v_row + c * A);
+#pragma unroll
+    for (int i = 0; i < A; ++i) v[i] = to_float(raw[i]);
+    store_values<T, VECTOR>(f.v_cache, row + static_cast<long long>(c) * A, v, f.cache_format,
+                            v_inv_scale);
+  }
+}
+
+// The fused kernel's body: every token this thread's block strides over; per token, its cache
+// slot and cos/sin of the lane's first chunk once, then each head this thread visits: RMSNorm
+// (sum of squares over the lanes), rotation of its chunks, the dims past rotary_dim, and the
+// cache rows; v heads are copied to the v cache.
+//
+// With RMSNorm at large T (the host sets f.ring; 16-byte accesses, every lane has at most one
+// chunk of pairs, no dims past rotary_dim), a pipelined loop: each thread keeps the chunks of up
+// to kRingDepth heads in flight, copied to shared memory with cp.async (no registers held), and
+// reduces, rotates and stores one while the next land. The fused kernel runs at 2 resident blocks
+// (its registers) and a norm makes every head wait for its load and a shuffle reduction; without
+// the ring that wait was exposed (H100, T = 65536: rms_norm_rope 62% -> 70% of an SM copy). Few
+// tokens and the ops without a norm run faster without it (T = 512: 8.7 against 10.5 us).
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
 __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const FusionParams& f) {
   using Index = typename IndexOf<WIDE_INDEX>::type;
@@ -215,6 +355,7 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
   const bool many_chunks = num_chunks > static_cast<Index>(blockDim.x);
   const bool pass_through = f.norm || f.write_pass_through || f.k_cache != nullptr;
   const Index pass_chunks = pass_through ? (head_dim - rotary_dim) / A : 0;
+  const bool pipelined = f.ring && !many_chunks && pass_chunks == 0;
   const Index num_q_heads = static_cast<Index>(p.num_q_heads);
   const Index num_rotated = num_q_heads + static_cast<Index>(p.num_k_heads);
   const Index num_heads = num_rotated + (f.k_cache != nullptr ? static_cast<Index>(f.num_v_heads) : 0);
@@ -223,111 +364,139 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
   const Index head_step = static_cast<Index>(gridDim.y) * blockDim.y;
   const Index token_step = static_cast<Index>(gridDim.x) * blockDim.z;
   const Index lane0 = threadIdx.x;
+  // The first v head this thread visits (after its q and k heads).
+  const Index first_v_head =
+      first_head >= num_rotated
+          ? first_head
+          : first_head + (num_rotated - first_head + head_step - 1) / head_step * head_step;
 
-  const float q_scale = scale_of(f.q_scale, f.q_scale_value);
-  const float k_scale = scale_of(f.k_scale, f.k_scale_value);
-  const float v_scale = scale_of(f.v_scale, f.v_scale_value);
+  const float q_inv_scale = inverse_scale_of(f.q_scale, f.q_scale_value);
+  const float k_inv_scale = inverse_scale_of(f.k_scale, f.k_scale_value);
+  const float v_inv_scale = inverse_scale_of(f.v_scale, f.v_scale_value);
   const float inv_dim = 1.0f / static_cast<float>(head_dim);
+  const float eps = static_cast<float>(f.eps);
   const float* const norm_weights = f.norm ? fill_norm_weights(f, head_dim) : nullptr;
 
   for (Index token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
        token < num_tokens; token += token_step) {
-    const TokenOffsets<Index> o = token_offsets(p, token);
+    TokenState<Index> s;
+    s.o = token_offsets(p, token);
+    s.slot = slot_rows(f, static_cast<long long>(token));
     long long position = 0;
-    if constexpr (SOURCE != kTokenTables) position = load_position(p, o.positions);
-    // The token's cache slot: vLLM's slot_mapping. Negative (padding) or past the cache: skipped.
-    long long slot = -1;
-    if (f.k_cache != nullptr) {
-      const long long at = static_cast<long long>(token) * f.slot_stride;
-      slot = f.slots_are_int64 ? static_cast<const long long*>(f.slot_mapping)[at]
-                               : static_cast<const int*>(f.slot_mapping)[at];
-      if (slot >= f.num_slots) slot = -1;
-    }
+    if constexpr (SOURCE != kTokenTables) position = load_position(p, s.o.positions);
 
-    // cos/sin of the lane's chunk: once per token, at its first head, for every head; per chunk
-    // and head when a lane has several chunks (scalar accesses of a wide head). One call site,
-    // so that the angle code is emitted once.
-    float cos_v[P], sin_v[P];
-    bool have_angles = false;
-
-    for (Index head = first_head; head < num_heads; head += head_step) {
-      if (head >= num_rotated) {  // a v head: to the v cache, unchanged but for the fp8 store
-        if (slot < 0) continue;
-        const Index vh = head - num_rotated;
-        const T* v_row = static_cast<const T*>(f.v) + token * static_cast<Index>(f.v_token_stride) +
-                         vh * static_cast<Index>(f.v_head_stride);
-        const long long row = cache_row(slot, f.block_size, f.v_cache_block_stride,
-                                           f.v_cache_slot_stride, f.v_cache_head_stride, vh);
-        for (Index c = lane0; c < head_chunks; c += blockDim.x) {
-          T raw[A];
-          float v[A];
-          load_elements<VECTOR>(raw, v_row + c * A);
-#pragma unroll
-          for (int i = 0; i < A; ++i) v[i] = to_float(raw[i]);
-          store_values<T, VECTOR>(f.v_cache, row + static_cast<long long>(c) * A, v,
-                                  f.cache_format, v_scale);
-        }
-        continue;
-      }
-
-      const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
-      const bool is_k = head >= num_q_heads;
-      const Index kh = head - num_q_heads;
-      HeadTargets<Index> t;
-      t.out = is_k ? p.k_out : p.q_out;
-      t.out_offset = is_k ? o.k_out + kh * static_cast<Index>(p.k_out_head_stride)
-                          : o.q_out + head * static_cast<Index>(p.q_out_head_stride);
-      t.out_scale = is_k ? k_scale : q_scale;
-      t.cache_offset = is_k && slot >= 0
-                           ? cache_row(slot, f.block_size, f.k_cache_block_stride,
-                                       f.k_cache_slot_stride, f.k_cache_head_stride, kh)
-                           : -1LL;
-
+    // The norm of a head from its sum of squares over the lanes (every lane of the head calls
+    // this: it shuffles).
+    auto head_norm = [&](float sum, Index head) {
       HeadNorm norm{nullptr, 1.0f};
       if (f.norm) {
-        // The sum of squares of the whole head: this lane's chunks and its share of the dims
-        // past rotary_dim (read again below, from L1).
-        float s = 0.0f;
-        for (Index lane = lane0; lane < num_chunks; lane += blockDim.x) {
-          Chunk chunk;
-          chunk.load(rows.in, lane * P, half);
-          s += sum_of_squares(chunk);
-        }
-        for (Index c = lane0; c < pass_chunks; c += blockDim.x) {
-          T raw[A];
-          load_elements<VECTOR>(raw, rows.in + rotary_dim + c * A);
-#pragma unroll
-          for (int i = 0; i < A; ++i) s = fmaf(to_float(raw[i]), to_float(raw[i]), s);
-        }
-        s = lanes_sum(s);
-        norm.weights = norm_weights + (is_k ? head_dim : 0);
-        norm.rms_scale = 1.0f / sqrtf(fmaf(s, inv_dim, static_cast<float>(f.eps)));
+        sum = lanes_sum(sum);
+        norm.weights = norm_weights + (head >= num_q_heads ? head_dim : 0);
+        norm.rms_scale = 1.0f / sqrtf(fmaf(sum, inv_dim, eps));
       }
+      return norm;
+    };
 
-      for (Index lane = lane0; lane < num_chunks; lane += blockDim.x) {
-        if (many_chunks || !have_angles) {
-          have_angles = true;
-          chunk_angles<SOURCE, false>(p, o, position, lane * P, cos_table, sin_table,
+    float cos_v[P], sin_v[P];
+    if constexpr (VECTOR) {
+      if (pipelined) {
+        const bool active = lane0 < num_chunks;
+        const Index pair0 = lane0 * P;
+        if (active) {
+          chunk_angles<SOURCE, false>(p, s.o, position, pair0, cos_table, sin_table,
                                       cos_col_stride, sin_col_stride, table_vector_ok, sin_sign,
                                       cos_v, sin_v);
         }
-        Chunk chunk;
-        chunk.load(rows.in, lane * P, half);
-        rotate_chunk_to(f, chunk, lane * P, half, cos_v, sin_v, head_sign, norm, t, k_scale);
+        // Up to kRingDepth heads' chunks in flight, in shared memory (no registers held): the
+        // ring is filled ahead and each slot refilled once its head is done. One copy group per
+        // head, committed even when empty, so that wait_oldest_copy always means "this head".
+        Index ahead = first_head;
+        for (int r = 0; r < kRingDepth; ++r) {
+          if (active && ahead < num_rotated) {
+            chunk_to_slot<T, P, INTERLEAVED>(ring_slot(r), head_rows<T, Index>(p, s.o, ahead).in,
+                                             pair0, half);
+          }
+          commit_copies();
+          ahead += head_step;
+        }
+        int r = 0;
+        for (Index head = first_head; head < num_rotated; head += head_step) {
+          wait_oldest_copy();
+          Chunk chunk;
+          if (active) chunk_from_slot(chunk, ring_slot(r));
+          const HeadNorm norm = head_norm(active ? sum_of_squares(chunk) : 0.0f, head);
+          if (active) {
+            rotate_chunk_to(f, chunk, pair0, half, cos_v, sin_v, head_sign, norm,
+                            head_targets<T>(p, f, s, head, q_inv_scale, k_inv_scale), k_inv_scale);
+            // After the rotation has consumed the slot's values: the refill cannot overtake them.
+            if (ahead < num_rotated) {
+              chunk_to_slot<T, P, INTERLEAVED>(ring_slot(r),
+                                               head_rows<T, Index>(p, s.o, ahead).in, pair0, half);
+            }
+          }
+          commit_copies();
+          ahead += head_step;
+          r = r + 1 == kRingDepth ? 0 : r + 1;
+        }
       }
-      for (Index c = lane0; c < pass_chunks; c += blockDim.x) {
-        const Index col = rotary_dim + c * A;
-        T raw[A];
-        float v[A];
-        load_elements<VECTOR>(raw, rows.in + col);
+    }
+    if (!VECTOR || !pipelined) {
+      // cos/sin of the lane's chunk: once per token, at its first head, for every head; per
+      // chunk and head when a lane has several chunks (scalar accesses of a wide head). One
+      // call site, so that the angle code is emitted once.
+      bool have_angles = false;
+      for (Index head = first_head; head < num_rotated; head += head_step) {
+        const HeadRows<T> rows = head_rows<T, Index>(p, s.o, head);
+        const HeadTargets<Index> t = head_targets<T>(p, f, s, head, q_inv_scale, k_inv_scale);
+        float sum = 0.0f;
+        if (f.norm) {
+          // The sum of squares of the whole head: this lane's chunks and its share of the dims
+          // past rotary_dim (read again below, from L1).
+          for (Index lane = lane0; lane < num_chunks; lane += blockDim.x) {
+            Chunk chunk;
+            chunk.load(rows.in, lane * P, half);
+            sum += sum_of_squares(chunk);
+          }
+          for (Index c = lane0; c < pass_chunks; c += blockDim.x) {
+            T raw[A];
+            load_elements<VECTOR>(raw, rows.in + rotary_dim + c * A);
 #pragma unroll
-        for (int i = 0; i < A; ++i) v[i] = to_float(raw[i]) * norm.at(col + i);
-        if (f.write_pass_through) {
-          store_values<T, VECTOR>(t.out, t.out_offset + col, v, f.out_format, t.out_scale);
+            for (int i = 0; i < A; ++i) sum = fmaf(to_float(raw[i]), to_float(raw[i]), sum);
+          }
         }
-        if (t.cache_offset >= 0) {
-          store_values<T, VECTOR>(f.k_cache, t.cache_offset + col, v, f.cache_format, k_scale);
+        const HeadNorm norm = head_norm(sum, head);
+        for (Index lane = lane0; lane < num_chunks; lane += blockDim.x) {
+          if (many_chunks || !have_angles) {
+            have_angles = true;
+            chunk_angles<SOURCE, false>(p, s.o, position, lane * P, cos_table, sin_table,
+                                        cos_col_stride, sin_col_stride, table_vector_ok, sin_sign,
+                                        cos_v, sin_v);
+          }
+          Chunk chunk;
+          chunk.load(rows.in, lane * P, half);
+          rotate_chunk_to(f, chunk, lane * P, half, cos_v, sin_v, head_sign, norm, t, k_inv_scale);
         }
+        for (Index c = lane0; c < pass_chunks; c += blockDim.x) {
+          const Index col = rotary_dim + c * A;
+          T raw[A];
+          float v[A];
+          load_elements<VECTOR>(raw, rows.in + col);
+#pragma unroll
+          for (int i = 0; i < A; ++i) v[i] = to_float(raw[i]) * norm.at(col + i);
+          if (f.write_pass_through) {
+            store_values<T, VECTOR>(t.out, t.out_offset + col, v, f.out_format, t.out_inv_scale);
+          }
+          if (t.cache_offset >= 0) {
+            store_values<T, VECTOR>(f.k_cache, t.cache_offset + col, v, f.cache_format, k_inv_scale);
+          }
+        }
+      }
+    }
+    // The v heads: to the v cache, unchanged but for the fp8 store.
+    if (s.slot.v_base >= 0) {
+      for (Index head = first_v_head; head < num_heads; head += head_step) {
+        store_v_head<T, VECTOR, A>(f, token, head - num_rotated, s.slot.v_base, head_chunks,
+                                   v_inv_scale);
       }
     }
   }

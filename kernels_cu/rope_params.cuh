@@ -103,6 +103,9 @@ struct FusionParams {
   // (NHD [blocks, block_size, heads, D] and HND [blocks, heads, block_size, D] alike).
   long long k_cache_block_stride, k_cache_slot_stride, k_cache_head_stride;
   long long v_cache_block_stride, v_cache_slot_stride, v_cache_head_stride;
+  // 1: the pipelined loop keeps heads in flight in a shared-memory ring (the host sized the
+  // block's shared memory for it; see fused.cuh).
+  long long ring;
 
   double eps, weight_offset;
   double q_scale_value, k_scale_value, v_scale_value;

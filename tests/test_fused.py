@@ -81,6 +81,47 @@ def test_rms_norm_rope_matches_the_reference(backend, rng, dtype, source, interl
         _assert_close(got, expected, dtype, f"{backend} {name}")
 
 
+@pytest.mark.parametrize("backend", backend_params(["numpy", "cupy", "torch-cuda"]), indirect=True)
+@pytest.mark.parametrize("dtype,interleaved", [("bfloat16", False), ("float16", True),
+                                               ("float32", False)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rms_norm_rope_many_tokens(backend, rng, dtype, interleaved, inplace):
+    """Past FUSED_RING_MIN_TOKENS (launch.py) the norm runs through the kernel's shared-memory
+    ring of heads in flight: odd T, heads that do not divide the block, the cache write with it."""
+    T, Hq, Hk, D = 4099, 5, 3, 128
+    positions = rng.integers(0, 8192, T)
+    cache = cr.cos_sin_cache(8192, D, dtype="float32")
+    q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
+    k = (rng.standard_normal((T, Hk, D)) * 3).astype(np_dtype(dtype))
+    v = rng.standard_normal((T, Hk, D)).astype(np_dtype(dtype))
+    wq = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    wk = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    block_size, num_blocks = 16, T // 16 + 3
+    slots = (rng.permutation(num_blocks)[:, None] * block_size
+             + np.arange(block_size)).reshape(-1)[:T].copy()
+    slots[::7] = -1  # padding tokens write nothing
+    k_cache = backend.put(np.zeros((num_blocks, block_size, Hk, D), np_dtype(dtype)))
+    v_cache = backend.put(np.zeros((num_blocks, block_size, Hk, D), np_dtype(dtype)))
+    qb, kb = backend.put(q), backend.put(k)
+    q_out, k_out, _, _ = cr.rope_and_cache(
+        qb, kb, backend.put(v), backend.put(positions), k_cache, v_cache, backend.put(slots),
+        cos_sin_cache=backend.put(cache), interleaved=interleaved, q_weight=backend.put(wq),
+        k_weight=backend.put(wk), eps=1e-6, inplace=inplace)
+    expected = {}
+    for x, w, out, name in ((q, wq, q_out, "q"), (k, wk, k_out, "k")):
+        expected[name] = reference_rope(_rms_norm64(x, w, 1e-6, 0.0), positions,
+                                        cos_sin_cache=cache, interleaved=interleaved)
+        _assert_close(_host(backend, out), expected[name], dtype, f"{backend} {name}")
+    rows = slots >= 0
+    got_k = _host(backend, k_cache).reshape(-1, Hk, D)
+    got_v = _host(backend, v_cache).reshape(-1, Hk, D)
+    _assert_close(got_k[slots[rows]], expected["k"][rows], dtype, f"{backend} k cache")
+    np.testing.assert_array_equal(got_v[slots[rows]], v[rows])
+    unwritten = np.ones(got_v.shape[0], bool)
+    unwritten[slots[rows]] = False
+    assert not got_k[unwritten].any() and not got_v[unwritten].any()
+
+
 @pytest.mark.parametrize("backend", MUTABLE, indirect=True)
 def test_rms_norm_rope_in_place_on_fused_qkv_views(backend, rng):
     """vLLM's layout: q and k are views of one [T, (Hq + 2 Hk) D] buffer; v is never touched."""
@@ -349,10 +390,20 @@ def test_rms_norm_rope_refusals(rng, kwargs, error, match):
 
 
 def test_fused_ops_refuse_float64_and_autograd(rng):
+    """float64 is refused on every route (the array path, and the operators that tensors
+    requiring grad take); gradients exist for rms_norm_rope (tests/test_fused_torch.py) but not
+    for fp8 outputs, which refuse with what to do instead, before writing anything."""
     q = rng.standard_normal((3, 2, 64))
     with pytest.raises(TypeError, match="float16, bfloat16 or float32 for the fused ops"):
         cr.rms_norm_rope(q, None, np.ones(64, np.float32), None, eps=1e-6)
     torch = pytest.importorskip("torch")
-    t = torch.randn(3, 2, 64, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="gradients of the fused ops"):
+    t = torch.randn(3, 2, 64, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32 for the fused ops"):
         cr.rms_norm_rope(t, None, torch.ones(64), None, eps=1e-6)
+    t = torch.randn(3, 2, 64, requires_grad=True)
+    assert cr.rms_norm_rope(t, None, torch.ones(64), None, eps=1e-6).requires_grad
+    with pytest.raises(NotImplementedError,
+                       match=r"rms_norm_rope: no gradient for fp8 outputs \(out_dtype="
+                             r"'float8_e4m3fn'\), but q requires grad; call it under "
+                             r"torch.no_grad\(\)"):
+        cr.rms_norm_rope(t, None, torch.ones(64), None, eps=1e-6, out_dtype="float8_e4m3fn")

@@ -25,7 +25,7 @@ from .peers import Unavailable, compiled_hf_rope, hf_rope, liger_rope, peer_stat
 from .sweep import Row, format_table, reference_sweep
 from .workloads import (ALL_IMPLS, CHECK_TOLERANCE, CUPYROPE_IMPLS, DECODE_TARGET_US, DECODE_TOKENS,
                         HOST_TARGET_US, PEER_IMPLS, REFERENCE_TOKENS, RopeData, RopeShape, Workload,
-                        error_is_acceptable, make_workload, max_abs_error)
+                        error_is_acceptable, make_workload, max_abs_error, sm_copy)
 
 __all__ = [
     "ALL_IMPLS", "CHECK_TOLERANCE", "CUPYROPE_IMPLS", "DECODE_TARGET_US", "DECODE_TOKENS",
@@ -33,5 +33,5 @@ __all__ = [
     "RopeData", "RopeShape", "Row", "Unavailable", "Workload", "capture_graph", "compiled_hf_rope",
     "device_name", "error_is_acceptable", "format_table", "gpu_time_us", "graph_time_us", "host_time_us", "hf_rope",
     "input_sets_for", "liger_rope", "make_workload", "max_abs_error", "peer_status", "plan_batches",
-    "reference_sweep", "synced_wall_clock",
+    "reference_sweep", "sm_copy", "synced_wall_clock",
 ]
