@@ -14,6 +14,8 @@ JAX and other producers go through DLPack, which hands CuPy a zero-copy view on 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +61,7 @@ class ArrayInfo:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # Python ints: no overflow, and ~20x faster than np.prod
 
     def where(self) -> str:
         return "CPU" if self.device is None else f"cuda:{self.device}"
@@ -148,6 +150,8 @@ def describe(x, name: str) -> ArrayInfo:
     """
     if isinstance(x, np.ndarray):
         return _from_numpy(x, name)
+    if isinstance(x, ArrayInfo):  # already described (a traced JAX array: cupyrope.jax_ops)
+        return x
     module = _module_of(x)
     if module == "torch":
         return _from_torch(x, name)

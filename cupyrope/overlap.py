@@ -34,13 +34,21 @@ class _ByteView:
 
 
 def byte_span(info: ArrayInfo) -> tuple[int, int]:
-    """(lowest, one past the highest) byte offset from the pointer that the array covers."""
-    itemsize = ITEMSIZE[info.dtype]
-    if info.size == 0:
-        return 0, 0
-    low = sum((n - 1) * s for n, s in zip(info.shape, info.strides) if s < 0)
-    high = sum((n - 1) * s for n, s in zip(info.shape, info.strides) if s > 0)
-    return low * itemsize, (high + 1) * itemsize
+    """(lowest, one past the highest) byte offset from the pointer that the array covers.
+
+    Kept on the ArrayInfo (made afresh for every call): a fused call with a KV cache compares
+    each written array with every operand, and recomputing the spans was most of its host time."""
+    span = info.__dict__.get("_byte_span")
+    if span is None:
+        itemsize = ITEMSIZE[info.dtype]
+        if info.size == 0:
+            span = (0, 0)
+        else:
+            low = sum((n - 1) * s for n, s in zip(info.shape, info.strides) if s < 0)
+            high = sum((n - 1) * s for n, s in zip(info.shape, info.strides) if s > 0)
+            span = (low * itemsize, (high + 1) * itemsize)
+        info.__dict__["_byte_span"] = span
+    return span
 
 
 def shares_memory(a: ArrayInfo, b: ArrayInfo) -> bool:
