@@ -168,6 +168,8 @@ def plan_fusion(where: str, q: ArrayInfo, k: ArrayInfo | None, *, q_weight=None,
             raise ValueError(f"{where}: k_scale is only used with an fp8 out_dtype or cache")
         return plan
     _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_scale, cache_dtype)
+    if plan.out_dtype is None and plan.cache_dtype is None and k_scale is not None:
+        raise ValueError(f"{where}: k_scale is only used with an fp8 out_dtype or an fp8 cache")
     return plan
 
 

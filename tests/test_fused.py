@@ -332,6 +332,8 @@ def test_slots_past_the_cache_are_skipped_or_refused(rng):
     ("overlap", ValueError, "k_cache shares memory with v_cache"),
     ("uint8", TypeError, "uint8 caches hold fp8 bits"),
     ("blocks", ValueError, "same blocks and block size"),
+    ("k_scale_unused", ValueError, "k_scale is only used with an fp8 out_dtype or an fp8 cache"),
+    ("v_scale_unused", ValueError, "v_scale is only used with an fp8 cache"),
 ])
 def test_rope_and_cache_refusals_write_nothing(rng, case, error, match):
     q, k, v, slots, shape = _cache_case(rng)
@@ -359,6 +361,8 @@ def test_rope_and_cache_refusals_write_nothing(rng, case, error, match):
         kc, vc = kc.astype(np.uint8), vc.astype(np.uint8)
     elif case == "blocks":
         vc = vc[:-1]
+    elif case in ("k_scale_unused", "v_scale_unused"):  # a scale the 16/32-bit caches would ignore
+        kw[case[:7]] = 2.0
     q0, k0 = q.copy(), k.copy()
     before = kc.copy(), vc.copy()
     with pytest.raises(error, match=match):
