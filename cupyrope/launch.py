@@ -399,15 +399,17 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
 
 
 # The fused kernel's ring of head chunks in flight per thread (kRingDepth x kRingSlotBytes in
-# kernels_cu/fused.cuh), and the launches that use it: RMSNorm on 16-byte accesses with many
-# tokens (measured on an H100: it takes rms_norm_rope from 62% to 70% of an SM copy at T = 65536,
-# but slows T = 512 from 8.7 to 10.5 us and the ops without a norm by a few percent).
+# kernels_cu/fused.cuh), and the launches that use it: RMSNorm or a cache write on 16-byte accesses
+# with many tokens. Measured on an H100 at T = 65536 (% of an SM copy, without -> with the ring):
+# rms_norm_rope 62.2 -> 70.2, rope_and_cache 67.5 -> 68.6, with the norm 55.4 -> 60.8; but fp8
+# outputs alone 66.4 -> 63.8, and T = 512 slows (rms_norm_rope 8.7 -> 10.5 us).
 FUSED_RING_BYTES_PER_THREAD = 4 * 32
 FUSED_RING_MIN_TOKENS = 4096
 
 
 def fused_ring(plan: RopePlan, fusion, vector: bool) -> bool:
-    return vector and fusion.norm and plan.num_tokens >= FUSED_RING_MIN_TOKENS
+    return (vector and (fusion.norm or fusion.writes_cache)
+            and plan.num_tokens >= FUSED_RING_MIN_TOKENS)
 
 
 def fused_shared_bytes(plan: RopePlan, fusion, ring: bool, block) -> int:

@@ -325,13 +325,14 @@ __device__ __forceinline__ void store_v_head(const FusionParams& f, Index token,
 // (sum of squares over the lanes), rotation of its chunks, the dims past rotary_dim, and the
 // cache rows; v heads are copied to the v cache.
 //
-// With RMSNorm at large T (the host sets f.ring; 16-byte accesses, every lane has at most one
-// chunk of pairs, no dims past rotary_dim), a pipelined loop: each thread keeps the chunks of up
-// to kRingDepth heads in flight, copied to shared memory with cp.async (no registers held), and
-// reduces, rotates and stores one while the next land. The fused kernel runs at 2 resident blocks
-// (its registers) and a norm makes every head wait for its load and a shuffle reduction; without
-// the ring that wait was exposed (H100, T = 65536: rms_norm_rope 62% -> 70% of an SM copy). Few
-// tokens and the ops without a norm run faster without it (T = 512: 8.7 against 10.5 us).
+// With RMSNorm or a cache write at large T (the host sets f.ring: 16-byte accesses, every lane
+// has at most one chunk of pairs, no dims past rotary_dim), a pipelined loop: each thread keeps
+// the chunks of up to kRingDepth heads in flight, copied to shared memory with cp.async (no
+// registers held), and reduces, rotates and stores one while the next land. The fused kernel runs
+// at 2 resident blocks (its registers) and a norm makes every head wait for its load and a
+// shuffle reduction; without the ring that wait was exposed (H100, T = 65536: rms_norm_rope 62% ->
+// 70% of an SM copy; launch.py has the other numbers). Few tokens and fp8 outputs alone run
+// faster without it.
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
 __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const FusionParams& f) {
   using Index = typename IndexOf<WIDE_INDEX>::type;

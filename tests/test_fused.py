@@ -84,10 +84,10 @@ def test_rms_norm_rope_matches_the_reference(backend, rng, dtype, source, interl
 @pytest.mark.parametrize("backend", backend_params(["numpy", "cupy", "torch-cuda"]), indirect=True)
 @pytest.mark.parametrize("dtype,interleaved", [("bfloat16", False), ("float16", True),
                                                ("float32", False)])
-@pytest.mark.parametrize("inplace", [False, True])
-def test_rms_norm_rope_many_tokens(backend, rng, dtype, interleaved, inplace):
-    """Past FUSED_RING_MIN_TOKENS (launch.py) the norm runs through the kernel's shared-memory
-    ring of heads in flight: odd T, heads that do not divide the block, the cache write with it."""
+@pytest.mark.parametrize("inplace,norm", [(False, True), (True, True), (True, False)])
+def test_rope_and_cache_many_tokens(backend, rng, dtype, interleaved, inplace, norm):
+    """Past FUSED_RING_MIN_TOKENS (launch.py) the norm and the cache write run through the
+    kernel's shared-memory ring of heads in flight: odd T, heads that do not divide the block."""
     T, Hq, Hk, D = 4099, 5, 3, 128
     positions = rng.integers(0, 8192, T)
     cache = cr.cos_sin_cache(8192, D, dtype="float32")
@@ -105,11 +105,12 @@ def test_rms_norm_rope_many_tokens(backend, rng, dtype, interleaved, inplace):
     qb, kb = backend.put(q), backend.put(k)
     q_out, k_out, _, _ = cr.rope_and_cache(
         qb, kb, backend.put(v), backend.put(positions), k_cache, v_cache, backend.put(slots),
-        cos_sin_cache=backend.put(cache), interleaved=interleaved, q_weight=backend.put(wq),
-        k_weight=backend.put(wk), eps=1e-6, inplace=inplace)
+        cos_sin_cache=backend.put(cache), interleaved=interleaved,
+        q_weight=backend.put(wq) if norm else None, k_weight=backend.put(wk) if norm else None,
+        eps=1e-6 if norm else None, inplace=inplace)
     expected = {}
     for x, w, out, name in ((q, wq, q_out, "q"), (k, wk, k_out, "k")):
-        expected[name] = reference_rope(_rms_norm64(x, w, 1e-6, 0.0), positions,
+        expected[name] = reference_rope(_rms_norm64(x, w, 1e-6, 0.0) if norm else x, positions,
                                         cos_sin_cache=cache, interleaved=interleaved)
         _assert_close(_host(backend, out), expected[name], dtype, f"{backend} {name}")
     rows = slots >= 0
