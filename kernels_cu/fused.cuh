@@ -376,15 +376,25 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
   const float v_inv_scale = inverse_scale_of(f.v_scale, f.v_scale_value);
   const float inv_dim = 1.0f / static_cast<float>(head_dim);
   const float eps = static_cast<float>(f.eps);
+  // The first token's position is loaded before the block fills the norm weights, so that the
+  // two loads overlap across the barrier (a decode step has one token: this is its latency).
+  const Index first_token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
+  long long first_position = 0;
+  if constexpr (SOURCE != kTokenTables) {
+    if (first_token < num_tokens) {
+      first_position = load_position(p, token_offsets(p, first_token).positions);
+    }
+  }
   const float* const norm_weights = f.norm ? fill_norm_weights(f, head_dim) : nullptr;
 
-  for (Index token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
-       token < num_tokens; token += token_step) {
+  for (Index token = first_token; token < num_tokens; token += token_step) {
     TokenState<Index> s;
     s.o = token_offsets(p, token);
     s.slot = slot_rows(f, static_cast<long long>(token));
-    long long position = 0;
-    if constexpr (SOURCE != kTokenTables) position = load_position(p, s.o.positions);
+    long long position = first_position;
+    if constexpr (SOURCE != kTokenTables) {
+      if (token != first_token) position = load_position(p, s.o.positions);
+    }
 
     // The norm of a head from its sum of squares over the lanes (every lane of the head calls
     // this: it shuffles).
@@ -442,10 +452,17 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
       }
     }
     if (!VECTOR || !pipelined) {
-      // cos/sin of the lane's chunk: once per token, at its first head, for every head; per
-      // chunk and head when a lane has several chunks (scalar accesses of a wide head). One
-      // call site, so that the angle code is emitted once.
+      // cos/sin of the lane's chunk: once per token for every head, loaded before the first head
+      // so that the two loads overlap (the norm would otherwise put its reduction between
+      // them); per chunk and head when a lane has several chunks (scalar accesses of a wide
+      // head).
       bool have_angles = false;
+      if (!many_chunks && lane0 < num_chunks && first_head < num_rotated) {
+        have_angles = true;
+        chunk_angles<SOURCE, false>(p, s.o, position, lane0 * P, cos_table, sin_table,
+                                    cos_col_stride, sin_col_stride, table_vector_ok, sin_sign,
+                                    cos_v, sin_v);
+      }
       for (Index head = first_head; head < num_rotated; head += head_step) {
         const HeadRows<T> rows = head_rows<T, Index>(p, s.o, head);
         const HeadTargets<Index> t = head_targets<T>(p, f, s, head, q_inv_scale, k_inv_scale);
