@@ -179,12 +179,13 @@ def _fused_route(where, q, k, positions, rope, fusion):
         return _torch_ops()
     if "torch" in sys.modules:
         torch_ops = _torch_ops()
-        if torch_ops.needs_autograd(q, k) or torch_ops.needs_autograd(fusion.get("v"), None):
+        if torch_ops.needs_autograd(q, k, *fusion.values()):  # weights, v, caches, scales too
             return torch_ops
     if "jax" in sys.modules:
         from . import jax_ops
 
-        if jax_ops.is_traced(q, k, positions, *rope.values(), *fusion.values()):
+        if (jax_ops.is_traced(q, k, positions, *rope.values(), *fusion.values())
+                or jax_ops.updates_jax_cache(q, fusion)):
             return jax_ops
     return None
 

@@ -1,15 +1,18 @@
-"""JAX transformations of :func:`cupyrope.apply_rope`: ``jax.grad``, ``jax.jit`` and ``jax.vmap``.
+"""JAX transformations of cupyrope's ops: ``jax.grad``, ``jax.jit`` and ``jax.vmap`` of
+:func:`cupyrope.apply_rope` and of the fused ops (:func:`cupyrope.rms_norm_rope`, fp8 outputs,
+:func:`cupyrope.rope_and_cache`), and the functional KV-cache update on JAX arrays.
 
-``apply_rope`` sends a call here when one of its array arguments is a JAX tracer: inside
-``jax.grad`` / ``jax.vjp`` (a ``custom_vjp``), ``jax.jit`` and ``jax.vmap``. Calls on concrete JAX
-arrays outside any transformation keep the DLPack path of ``cupyrope.arrays``.
+``apply_rope`` and the fused ops send a call here when one of its array arguments is a JAX tracer:
+inside ``jax.grad`` / ``jax.vjp`` (a ``custom_vjp``), ``jax.jit`` and ``jax.vmap``. Calls on
+concrete JAX arrays outside any transformation keep the DLPack path of ``cupyrope.arrays``, except
+``rope_and_cache``, which always comes here (see "The KV cache on JAX").
 
 How a traced call runs
 ----------------------
-The rotation is one ``jax.experimental.buffer_callback`` (JAX >= 0.7): XLA hands a Python callback
+Each op is one ``jax.experimental.buffer_callback`` (JAX >= 0.7): XLA hands a Python callback
 its own device buffers and, on GPU, its compute stream. The callback runs the same code as every
-other call (argument checks, then the CUDA kernel or the NumPy path) reading the input buffers and
-writing the output buffers where XLA placed them. So under ``jax.jit``:
+other call (argument checks, then the CUDA kernel or the NumPy path: ``execute.rotate``) reading
+the input buffers and writing the output buffers where XLA placed them. So under ``jax.jit``:
 
 - on GPU the kernel is launched on XLA's stream, on XLA's buffers: nothing is copied through the
   host and nothing synchronises (the first call of a frequency schedule uploads its float64
@@ -19,16 +22,40 @@ writing the output buffers where XLA placed them. So under ``jax.jit``:
   the host time of an eager call, XLA does not fuse across it, and it is not captured into XLA's
   CUDA graphs (command buffers); ``jax.export`` cannot serialise it;
 - ``jax.vmap`` runs the callback once per batch element (``vmap_method="sequential"``): correct
-  for every argument combination, not fast. Give apply_rope the batch as a token dim instead.
+  for every argument combination, not fast. Give the op the batch as a token dim instead.
 
-Gradients (``custom_vjp``): the gradient of a rotation is the inverse rotation of the cotangent,
-so the backward pass is the same callback with ``inverse`` flipped, for q and k in one launch.
-Positions, tables and ``theta`` get no cotangent (zero), as in the torch path.
+fp8 arrays (fp8 outputs, fp8 caches) cross the callback as their bits (uint8 buffers, bitcast by
+XLA on either side, which costs nothing): XLA's buffers offer no CUDA array interface for fp8, and
+the kernels are told the format, as for CuPy's uint8 fp8 arrays.
 
-Argument errors are raised while tracing (the checks run on the traced shapes and
-dtypes), with the same exception types and messages as eager calls. ``validate=True`` reads the
-positions inside the callback: an out-of-range position then surfaces as a ``JaxRuntimeError``
-carrying the IndexError's message, when the computation runs.
+Argument errors are raised while tracing (the checks run on the traced shapes and dtypes), with
+the same exception types and messages as eager calls. ``validate=True`` reads positions (and slots)
+inside the callback: an out-of-range value then surfaces as a ``JaxRuntimeError`` carrying the
+IndexError's message, when the computation runs. Options that are not arrays (``theta``, ``eps``,
+``weight_offset``, ``rotary_dim`` ...) must be concrete Python values; fp8 scales may be traced
+(0-d or one-element float32 arrays, read when the call runs).
+
+Gradients (``custom_vjp``)
+--------------------------
+- ``apply_rope``: the gradient of a rotation is the inverse rotation of the cotangent, so the
+  backward pass is the same callback with ``inverse`` flipped, for q and k in one launch.
+- ``rms_norm_rope`` (q, k, q_weight, k_weight): per head, in float32, ``r = rsqrt(mean(x**2) +
+  eps)``, ``n = x * r``, ``w' = weight_offset + w``, ``y = rotate(n * w')``. Backward from ``g_y``:
+  ``g = rotate⁻¹(g_y)`` (the inverse-rotation callback, q and k in one launch), ``g_w = sum(g * n)``
+  over the token and head dims, ``g_n = g * w'``, ``g_x = r * (g_n - n * mean(g_n * n))`` (jnp).
+- Positions, tables, scales, v, the caches and slots get no cotangent (zero), as in the torch path.
+- fp8 outputs have no gradient and ``rope_and_cache`` has none here: differentiating either raises
+  while tracing (TypeError, NotImplementedError), naming the op.
+
+The KV cache on JAX
+-------------------
+JAX arrays are immutable, so ``rope_and_cache`` on JAX arrays (concrete or traced) is functional:
+it returns ``(q_out, k_out, k_cache_new, v_cache_new)`` and leaves its arguments unchanged. The new
+caches are the callback's outputs aliased to the input caches (``input_output_aliases``): XLA
+updates a cache in place when the caller donates it (``jax.jit(..., donate_argnums=...)``) and
+copies it first otherwise, so the rows no slot names always equal the input cache's. q and k are
+not rotated in place: the call needs ``inplace=False`` (the default ``inplace=True`` raises
+TypeError), and q_out, k_out are new arrays. Caches that are not JAX arrays are refused.
 """
 
 from __future__ import annotations
@@ -41,18 +68,32 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import execute
-from .arrays import cupy_module, cupy_view_of_buffer, describe_traced, on_gpu_buffer
+from .arrays import cupy_module, cupy_view_of_buffer, describe, describe_traced, on_gpu_buffer
+from .dtypes import FP8_DTYPES, dtype_name
+from .fusion import plan_fused
 from .plan import check_values, plan_rope
 from .scaling import Scaling
 from .validators import check_real
 
 _ARGUMENTS = ("q", "k", "positions", "cos_sin_cache", "cos", "sin")
+_TABLES = ("cos_sin_cache", "cos", "sin")
+# The fused ops' array arguments besides the rotation's, in the order the callback takes them.
+_FUSED_ARRAYS = ("q_weight", "k_weight", "v", "k_cache", "v_cache", "slot_mapping")
+_SCALES = ("q_scale", "k_scale", "v_scale")  # numbers (static) or arrays (operands)
+_CACHES = ("k_cache", "v_cache")
+_VALIDATED = ("positions", "cos", "sin", "slot_mapping")  # what validate=True reads
 
 
 def is_traced(*arrays) -> bool:
     """True when any argument is a JAX tracer (inside jax.grad / jax.jit / jax.vmap ...)."""
     tracer = jax.core.Tracer
     return any(isinstance(x, tracer) for x in arrays)
+
+
+def updates_jax_cache(q, fusion: dict) -> bool:
+    """True for a KV-cache write on JAX arrays, concrete ones included: its new caches come from
+    XLA (the module docstring's "The KV cache on JAX"), so such a call always runs here."""
+    return fusion.get("k_cache") is not None and isinstance(q, jax.Array)
 
 
 class _Static(NamedTuple):
@@ -69,6 +110,17 @@ class _Static(NamedTuple):
     def call_options(self) -> dict:
         return dict(theta=self.theta, scaling=self.scaling, interleaved=self.interleaved,
                     rotary_dim=self.rotary_dim, inverse=self.inverse, seq_len=self.seq_len)
+
+
+class _Fused(NamedTuple):
+    """The hashable description of one fused call: the rotation's options, the fused options that
+    are not arrays (canonical: fp8 dtypes by name), and the names of the array arguments given, in
+    the order the callback receives them."""
+
+    where: str
+    rope: _Static
+    options: tuple[tuple[str, object], ...]
+    names: tuple[str, ...]
 
 
 def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=None,
@@ -89,7 +141,7 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     plan_rope(*(None if x is None else describe_traced(x, name)
                 for x, name in zip(arrays[:3], _ARGUMENTS)),
               **{name: None if x is None else describe_traced(x, name)
-                 for x, name in zip(arrays[3:], ("cos_sin_cache", "cos", "sin"))},
+                 for x, name in zip(arrays[3:], _TABLES)},
               inplace=inplace, **static.call_options())
     q, k, *tables = arrays
     q_out, k_out = _rope(static, q, k, tuple(tables))
@@ -98,44 +150,121 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
 
 def run_fused(where, q, k, positions, *, rope: dict, fusion: dict, validate: bool):
     """A fused op (``rms_norm_rope``, ``rope_and_cache``, ``apply_rope(out_dtype=...)``) with a
-    JAX tracer among its arguments."""
-    raise NotImplementedError(
-        f"{where}: the fused ops take concrete JAX arrays, not tracers (jax.jit / "
-        "jax.grad / jax.vmap); call it outside the traced function")
+    JAX tracer among its arguments, or a ``rope_and_cache`` on JAX arrays: checked now, run by one
+    buffer_callback (see the module docstring). Returns what :func:`cupyrope.execute.run_fused`
+    returns, with new caches in place of the written ones."""
+    inplace = rope["inplace"]
+    if where == "rope_and_cache" and isinstance(inplace, (bool, np.bool_)) and inplace:
+        raise TypeError(
+            "rope_and_cache: JAX arrays are immutable, so q and k cannot be rotated in place: pass "
+            "inplace=False (q_out and k_out are new arrays, and the call returns new caches, "
+            "updated in place by XLA where the caller donates them)")
+    given = {"q": q, "k": k, "positions": positions, **{name: rope[name] for name in _TABLES},
+             **{name: fusion.get(name) for name in _FUSED_ARRAYS + _SCALES}}
+    arrays = {name: _fused_array(x, name, where) for name, x in given.items()
+              if x is not None and not (name in _SCALES and _is_number(x))}
+    options = {name: value for name, value in fusion.items()
+               if name not in _FUSED_ARRAYS and name not in arrays}
+    for name, value in options.items():
+        _refuse_tracer(value, name, where)
+    traced = is_traced(*arrays.values())
+    static = _Static(_number(rope["theta"], "theta", where),
+                     _hashable_scaling(rope["scaling"], where), rope["interleaved"],
+                     rope["rotary_dim"], rope["inverse"], validate and traced, rope["seq_len"])
+    # Argument errors are raised now, while tracing, from the shapes and dtypes; values
+    # (validate=True) now for concrete arrays, else where the call runs.
+    infos = {name: _planning_info(x, name, read=validate and not traced)
+             for name, x in arrays.items()}
+    f = _plan(where, static, options, infos, inplace=inplace,
+              validate=validate and not traced).fusion
+    # Canonical, hashable options for the callback (eps is ignored without the norm).
+    options.update(out_dtype=f.out_dtype, eps=f.eps if f.norm else None,
+                   weight_offset=f.weight_offset)
+    if f.writes_cache:
+        options.update(cache_dtype=f.cache_dtype)
+    fused = _Fused(where, static, tuple(sorted(options.items())), tuple(arrays))
+    outs = _fused(fused, tuple(arrays.values()))
+    if f.writes_cache:
+        return outs
+    return outs[0] if k is None else (outs[0], outs[1])
 
 
-def _as_jax(x, name: str):
+def _as_jax(x, name: str, where: str = "apply_rope"):
     if x is None or isinstance(x, (jax.Array, jax.core.Tracer)):
         return x
     if isinstance(x, np.ndarray):
         return jnp.asarray(x)
     raise TypeError(
-        f"apply_rope: {name} must be a JAX or NumPy array when another argument is a JAX tracer, "
-        f"got {type(x).__module__}.{type(x).__qualname__}"
+        f"{where}: {name} must be a JAX or NumPy array when another argument is a JAX array or "
+        f"tracer, got {type(x).__module__}.{type(x).__qualname__}"
     )
 
 
-def _number(value, name: str) -> float:
+def _fused_array(x, name: str, where: str):
+    """An array argument of a fused call as a JAX array; a NumPy cache stays as it is, to be
+    refused by the checks (it would not be written: the call returns new caches)."""
+    if name in _CACHES and isinstance(x, np.ndarray):
+        return x
+    return _as_jax(x, name, where)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _refuse_tracer(value, name: str, where: str) -> None:
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
-            f"apply_rope: {name} must be a concrete number (not a traced value), got "
+            f"{where}: {name} must be a concrete number (not a traced value), got "
             f"{type(value).__name__}"
         )
-    return check_real(value, name, "apply_rope")
 
 
-def _hashable_scaling(scaling) -> Scaling | None:
+def _number(value, name: str, where: str = "apply_rope") -> float:
+    _refuse_tracer(value, name, where)
+    return check_real(value, name, where)
+
+
+def _hashable_scaling(scaling, where: str = "apply_rope") -> Scaling | None:
     frozen = Scaling.from_dict(scaling)
     try:
         hash(frozen)
     except TypeError:
-        raise TypeError(f"apply_rope: scaling holds a value JAX cannot take as a static "
+        raise TypeError(f"{where}: scaling holds a value JAX cannot take as a static "
                         f"argument (unhashable): {scaling!r}") from None
     return frozen
 
 
+def _planning_info(x, name: str, *, read: bool):
+    """What a fused call is checked with before it runs: the shape and dtype of a JAX array
+    (``describe_traced``), a NumPy cache as it is (the checks refuse it)."""
+    if isinstance(x, np.ndarray):
+        return describe(x, name)
+    info = describe_traced(x, name)
+    if name in _CACHES:
+        info.writable = True  # the call writes new caches (XLA's buffers), never this array
+    elif name in _SCALES and info.size == 1:
+        info.view = np.ones(info.shape, np.float32)  # the checks read a value; the call reads x
+    elif read and name in _VALIDATED:
+        info.view = np.asarray(x)  # validate=True on concrete arrays: checked now, on the host
+    return info
+
+
+def _plan(where: str, static: _Static, options: dict, named: dict, *, inplace=False,
+          validate: bool):
+    """The checked plan of a fused call from its arrays by name (ArrayInfos while tracing, NumPy
+    or CuPy views of XLA's buffers in the callback)."""
+    return plan_fused(
+        where, named["q"], named.get("k"), named.get("positions"),
+        rope=dict(static.call_options(), inplace=inplace,
+                  **{name: named.get(name) for name in _TABLES}),
+        fusion=dict(options, **{name: x for name, x in named.items()
+                                if name in _FUSED_ARRAYS or name in _SCALES}),
+        validate=validate)
+
+
 # ----------------------------------------------------------------------------------------------
-# custom_vjp
+# custom_vjp: apply_rope
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -149,13 +278,18 @@ def _rope_fwd(static: _Static, q, k, tables):
 
 def _rope_bwd(static: _Static, tables, cotangents):
     grad_q_out, grad_k_out = cotangents
-    back = static._replace(inverse=not static.inverse, validate=False)
-    grad_q, grad_k = _call(back, grad_q_out, grad_k_out, tables)
+    grad_q, grad_k = _inverse_rotation(static, grad_q_out, grad_k_out, tables)
     # Positions, tables: not differentiated (None: a zero cotangent, float0 for integers).
     return grad_q, grad_k, tuple(None for _ in tables)
 
 
 _rope.defvjp(_rope_fwd, _rope_bwd)
+
+
+def _inverse_rotation(static: _Static, grad_q, grad_k, tables):
+    """The gradient of a rotation: the cotangents rotated back, q and k in one launch."""
+    back = static._replace(inverse=not static.inverse, validate=False)
+    return _call(back, grad_q, grad_k, tables)
 
 
 def _call(static: _Static, q, k, tables):
@@ -177,29 +311,156 @@ def _callback(static: _Static, present: tuple[bool, ...]):
     """The callback for one set of options (memoised: its identity keys JAX's compile caches)."""
     options = static.call_options()
 
-    def run(ctx, outs, *buffers):
-        it = iter(buffers)
+    def rotate(inputs, outputs):
+        it = iter(inputs)
         q = next(it)
         k, positions, cache, cos, sin = (next(it) if here else None for here in present)
-        if not on_gpu_buffer(q):
-            arrays = [None if b is None else np.asarray(b) for b in (q, k, positions, cache, cos, sin)]
-            execute.rotate_into(_plan(static, options, arrays), [np.asarray(b) for b in outs])
-            return
-        arrays = [None if b is None else cupy_view_of_buffer(b)
-                  for b in (q, k, positions, cache, cos, sin)]
-        cupy = cupy_module()
-        device = arrays[0].device.id
-        # The kernel runs on XLA's stream, on XLA's buffers: nothing is copied or synchronised.
-        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(ctx.stream, device):
-            execute.rotate_into(_plan(static, options, arrays),
-                                [cupy_view_of_buffer(b) for b in outs])
+        plan = plan_rope(q, k, positions, cos_sin_cache=cache, cos=cos, sin=sin, **options)
+        if static.validate:
+            check_values(plan)
+        execute.rotate_into(plan, outputs)
+
+    def run(ctx, outs, *buffers):
+        _on_buffers(ctx, buffers, outs, rotate)
 
     return run
 
 
-def _plan(static: _Static, options: dict, arrays):
-    q, k, positions, cache, cos, sin = arrays
-    plan = plan_rope(q, k, positions, cos_sin_cache=cache, cos=cos, sin=sin, **options)
-    if static.validate:
-        check_values(plan)
-    return plan
+def _on_buffers(ctx, buffers, outs, body) -> None:
+    """``body(inputs, outputs)`` on XLA's buffers: NumPy views on the CPU; on a GPU, CuPy views,
+    with XLA's device and stream current, so the kernel runs on XLA's stream, on XLA's buffers
+    (nothing is copied or synchronised)."""
+    if not on_gpu_buffer(outs[0]):
+        body([np.asarray(b) for b in buffers], [np.asarray(b) for b in outs])
+        return
+    inputs = [cupy_view_of_buffer(b) for b in buffers]
+    outputs = [cupy_view_of_buffer(b) for b in outs]
+    cupy = cupy_module()
+    device = outputs[0].device.id
+    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(ctx.stream, device):
+        body(inputs, outputs)
+
+
+# ----------------------------------------------------------------------------------------------
+# custom_vjp: the fused ops
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(fused: _Fused, arrays: tuple):
+    return _fused_call(fused, arrays)
+
+
+def _fused_fwd(fused: _Fused, arrays: tuple):
+    options = dict(fused.options)
+    if "k_cache" in fused.names:
+        raise NotImplementedError(
+            "rope_and_cache: jax.grad through the KV-cache write is not available; differentiate "
+            "rms_norm_rope or apply_rope, or pass inputs wrapped in jax.lax.stop_gradient")
+    if options["out_dtype"] is not None:
+        raise TypeError(
+            f"{fused.where}: fp8 outputs (out_dtype={options['out_dtype']!r}) have no gradient; "
+            "differentiate the call without out_dtype (and quantise its result), or pass inputs "
+            "wrapped in jax.lax.stop_gradient")
+    return _fused_call(fused, arrays), arrays
+
+
+def _fused_bwd(fused: _Fused, arrays: tuple, cotangents):
+    """rms_norm_rope's gradient (the only fused call _fused_fwd lets through): the inverse
+    rotation of the float32 cotangents, then RMSNorm's backward per head, in float32."""
+    named = dict(zip(fused.names, arrays))
+    options = dict(fused.options)
+    grads = [g.astype(jnp.float32) for g in cotangents]
+    rotated = _inverse_rotation(fused.rope, grads[0], grads[1] if len(grads) > 1 else None,
+                                tuple(named.get(name) for name in ("positions", *_TABLES)))
+    result = {name: None for name in fused.names}
+    for x_name, w_name, grad in zip(("q", "k"), ("q_weight", "k_weight"), rotated):
+        if x_name in named:
+            result[x_name], result[w_name] = _rms_norm_vjp(
+                named[x_name], named[w_name], grad, options["eps"], options["weight_offset"])
+    return (tuple(result[name] for name in fused.names),)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _rms_norm_vjp(x, weight, grad, eps: float, weight_offset: float):
+    """(grad of x, grad of weight) of ``y = x * rsqrt(mean(x**2) + eps) * (weight_offset +
+    weight)`` per head (last dim), given the grad of y; in float32, returned in the dtypes of x
+    and weight."""
+    x32 = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    n = x32 * r
+    grad_weight = jnp.sum(grad * n, axis=tuple(range(grad.ndim - 1)))
+    grad_n = grad * (weight_offset + weight.astype(jnp.float32))
+    grad_x = r * (grad_n - n * jnp.mean(grad_n * n, axis=-1, keepdims=True))
+    return grad_x.astype(x.dtype), grad_weight.astype(weight.dtype)
+
+
+def _fused_call(fused: _Fused, arrays: tuple) -> tuple:
+    """The outputs of a fused call through one buffer_callback: q_out (k_out), then the new caches
+    (outputs aliased to the input caches). fp8 arrays cross as their bits (uint8)."""
+    from jax.experimental.buffer_callback import buffer_callback
+
+    named = dict(zip(fused.names, arrays))
+    out_dtype = dict(fused.options)["out_dtype"]
+    rotated = [named[name] for name in ("q", "k") if name in named]
+    stored = jnp.uint8 if out_dtype is not None else rotated[0].dtype
+    results = [jax.ShapeDtypeStruct(x.shape, stored) for x in rotated]
+    inputs, aliases = [_bits(x) for x in arrays], {}
+    for name in _CACHES:
+        if name in named:
+            index = fused.names.index(name)
+            aliases[index] = len(results)
+            results.append(jax.ShapeDtypeStruct(inputs[index].shape, inputs[index].dtype))
+    run = buffer_callback(_fused_callback(fused), tuple(results), vmap_method="sequential",
+                          input_output_aliases=aliases or None)
+    outs = list(run(*inputs))
+    if out_dtype is not None:
+        outs[:len(rotated)] = [jax.lax.bitcast_convert_type(o, out_dtype)
+                               for o in outs[:len(rotated)]]
+    for position, name in enumerate((name for name in _CACHES if name in named), len(rotated)):
+        if outs[position].dtype != named[name].dtype:  # an fp8 cache, back from its bits
+            outs[position] = jax.lax.bitcast_convert_type(outs[position], named[name].dtype)
+    return tuple(outs)
+
+
+def _bits(x):
+    """An fp8 array as its bits (uint8); any other array as it is."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint8) if dtype_name(x.dtype) in FP8_DTYPES else x
+
+
+@functools.lru_cache(maxsize=1024)
+def _fused_callback(fused: _Fused):
+    """The callback of one fused call description (memoised: its identity keys JAX's compile
+    caches). It checks the call again on XLA's buffers (cheap; validate=True reads values here)
+    and runs the fused kernel or the NumPy path."""
+    options = dict(fused.options)
+    rotated = 2 if "k" in fused.names else 1
+
+    def rotate(inputs, outputs):
+        named = dict(zip(fused.names, inputs))
+        if "k_cache" in named:
+            # Written where XLA wants the new caches: outputs aliased to the input caches, which
+            # hold the input caches' rows when the callback starts. Where XLA did not alias them
+            # (jax.vmap over batched caches on a GPU hands each element a fresh output slice),
+            # the input rows are copied first, so that rows no slot names keep their values.
+            for name, out in zip(("k_cache", "v_cache"), outputs[rotated:]):
+                if describe(out, name).ptr != describe(named[name], name).ptr:
+                    out[...] = named[name]
+            named["k_cache"], named["v_cache"] = outputs[rotated:]
+        plan = _plan(fused.where, fused.rope, options, named, validate=fused.rope.validate)
+        execute.rotate(plan, [_output_info(out, options["out_dtype"])
+                              for out in outputs[:rotated]])
+
+    def run(ctx, outs, *buffers):
+        _on_buffers(ctx, buffers, outs, rotate)
+
+    return run
+
+
+def _output_info(out, out_dtype: str | None):
+    """The ArrayInfo of an output buffer; fp8 outputs are uint8 buffers holding that format."""
+    info = describe(out, "output")
+    if out_dtype is not None:
+        info.dtype = out_dtype
+    return info

@@ -1,24 +1,48 @@
-"""torch.library custom ops behind :func:`cupyrope.apply_rope` for torch: autograd, torch.compile.
+"""torch.library custom ops behind cupyrope's torch calls: autograd, torch.compile, CUDA graphs.
 
 ``apply_rope`` sends torch tensors here when q or k requires grad (with grad mode on), and every
-call made while ``torch.compile`` (or ``torch.export``) traces. Everything else keeps the array
-path and its repeat-call fast path. Two operators are registered in the ``cupyrope`` namespace:
+call made while ``torch.compile`` (or ``torch.export``) traces; the fused ops (``rms_norm_rope``,
+``rope_and_cache``, ``apply_rope(out_dtype=...)``) come here the same way (:func:`run_fused`), and
+also when a norm weight, v, a cache or a scale requires grad. Everything else keeps the array path
+(and, for ``apply_rope``, its repeat-call fast path). Every operator ends in the code of every
+other call: :func:`cupyrope.execute.run` (``apply_rope``) or :func:`cupyrope.execute.run_fused`
+(the fused ops, with the router off), i.e. the CUDA kernels on torch's current stream for CUDA
+tensors, the NumPy path for CPU tensors. Their fake (meta) implementations give torch.compile the
+output shapes and dtypes (fp8 included) without running anything, so ``torch.compile(fullgraph=True)``
+traces every op with no graph break.
 
-``torch.ops.cupyrope.apply_rope(Tensor q, Tensor? k, Tensor? positions, Tensor? cos_sin_cache,
-Tensor? cos, Tensor? sin, float theta, str? scaling, float[]? scaling_numbers, bool interleaved,
-SymInt? rotary_dim, bool inverse, SymInt? seq_len, bool validate) -> (Tensor, Tensor)``
+Operators (namespace ``cupyrope``); ``ROTATION`` stands for the angle source and the rotation's
+options, which every operator takes in the same order and encoding::
+
+    Tensor? positions, Tensor? cos_sin_cache, Tensor? cos, Tensor? sin, float theta,
+    str? scaling, float[]? scaling_numbers, bool interleaved, SymInt? rotary_dim, bool inverse,
+    SymInt? seq_len
+
+``apply_rope(Tensor q, Tensor? k, ROTATION, bool validate) -> (Tensor, Tensor)``
     Out of place: new contiguous ``q_out`` and ``k_out`` (an empty placeholder of shape ``(0,)``
     when k is None: custom ops cannot return None). A dict is not an operator argument: the
     Hugging Face rope_scaling dict travels as a text (``scaling``) and its numbers
     (``scaling_numbers``), see :func:`cupyrope.scaling.scaling_op_args`. Differentiable in q and k.
-``torch.ops.cupyrope.apply_rope_(Tensor(a!) q, Tensor(b!)? k, ...) -> ()``
+``apply_rope_(Tensor(a!) q, Tensor(b!)? k, ROTATION, bool validate) -> ()``
     In place (a mutating op: torch.compile functionalises it and re-inplaces it).
-
-Both run the same code as every other call (:func:`cupyrope.execute.run`): the CUDA kernels on torch's
-current stream for CUDA tensors, the NumPy path for CPU tensors. Their fake (meta) implementations
-give torch.compile the output shapes without running anything, so ``torch.compile(fullgraph=True)``
-traces ``apply_rope`` with no graph break, in the ``"default"`` and ``"reduce-overhead"`` (CUDA
-graphs) modes.
+``rms_norm_rope(Tensor q, Tensor? k, ROTATION, NORM, FP8, bool validate) -> (Tensor, Tensor)``
+    QK-RMSNorm + RoPE out of place (fp8 outputs with ``out_dtype``); differentiable in q, k,
+    q_weight and k_weight when ``out_dtype`` is None. ``NORM`` is ``Tensor? q_weight, Tensor?
+    k_weight, float? eps, float weight_offset``; ``FP8`` is ``str? out_dtype, Tensor?
+    q_scale_tensor, float? q_scale, Tensor? k_scale_tensor, float? k_scale``: a scale is a
+    Python number (``q_scale``) or a 0-d / one-element float32 tensor (``q_scale_tensor``, read
+    by the kernel, so a CUDA graph sees new values), never both.
+``rms_norm_rope_(Tensor(a!) q, Tensor(b!)? k, ROTATION, NORM, FP8, bool validate) -> ()``
+    In place.
+``apply_rope_fp8(Tensor q, Tensor? k, ROTATION, FP8, bool validate) -> (Tensor, Tensor)``
+    ``apply_rope(out_dtype=..., q_scale=..., k_scale=...)``: fp8 outputs, out of place.
+``rope_and_cache(Tensor q, Tensor k, ROTATION, CACHE, NORM, FP8, bool validate) -> (Tensor, Tensor)``
+    RoPE + paged KV-cache write with new ``q_out`` / ``k_out`` (``inplace=False``; fp8 outputs
+    possible). ``CACHE`` is ``Tensor v, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor
+    slot_mapping, str layout, Tensor? v_scale_tensor, float? v_scale, str? cache_dtype``: the
+    caches are declared mutated.
+``rope_and_cache_(Tensor(a!) q, Tensor(b!) k, ROTATION, CACHE, NORM, FP8, bool validate) -> ()``
+    The same with q and k rotated in place (vLLM's convention, ``inplace=True``).
 
 Gradients
 ---------
@@ -30,47 +54,137 @@ differentiated: user-given ``cos`` / ``sin`` / ``cos_sin_cache`` tensors get no 
 as in TransformerEngine's and Liger's RoPE. The backward is itself differentiable (double
 backward).
 
-In place under autograd (``inplace=True`` with q or k requiring grad) writes into q and k in one
-launch and records each on the autograd graph like a torch in-place op (``mark_dirty``), so q and
-k may be views of one fused QKV projection output. As for torch's own in-place ops, a leaf that
-requires grad (or a view of one) is refused, before anything is written. Under torch.compile the
-same call is traced as the out-of-place op followed by ``copy_`` into q and k (correct gradients
-on every torch version; the compiled graph holds the copies).
+``rms_norm_rope`` (Qwen3, OLMo 2, Gemma 3 training), per head in float32: ``r = rsqrt(mean(x**2)
++ eps)``, ``n = x * r``, ``y = rotate(n * (weight_offset + w))``. From the upstream gradient
+``g_y``: ``g`` = the inverse rotation of ``g_y`` taken to float32 (the ``apply_rope`` operator,
+one launch for q and k), ``g_w = sum(g * n)`` over every token and head (float32, then the weight's
+dtype; q_weight and k_weight separately), ``g_n = g * (weight_offset + w)``, ``g_x = r * (g_n - n
+* mean(g_n * n))``, rounded once to x's dtype. The norm part is torch arithmetic (CPU and GPU
+alike) on the saved q and k, so the backward is differentiable again (double backward).
+
+In place under autograd: ``apply_rope`` writes into q and k in one launch and records each on the
+autograd graph like a torch in-place op (``mark_dirty``), so q and k may be views of one fused QKV
+projection output. As for torch's own in-place ops, a leaf that requires grad (or a view of one) is
+refused, before anything is written. Under torch.compile the same call is traced as the
+out-of-place op followed by ``copy_`` into q and k (correct gradients on every torch version; the
+compiled graph holds the copies). ``rms_norm_rope(inplace=True)`` under autograd is refused by the
+same rules; otherwise its backward needs q and k as they were before the norm, so it runs the
+out-of-place operator on copies of q and k (which the backward keeps) and copies the results into
+q and k with ``copy_``: correct gradients on views of a fused QKV output, at the memory and traffic
+of the out-of-place call plus two copies.
+
+Not differentiable: fp8 outputs (``out_dtype``) and ``rope_and_cache``. A call of either on a
+tensor that requires grad (with grad mode on) raises NotImplementedError naming the tensors;
+under ``torch.no_grad()`` (or on detached tensors) both run, and trace under torch.compile.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from . import execute
+from .fusion import LAYOUTS, fp8_name
+from .plan import plan_rope
 from .scaling import scaling_from_op_args, scaling_op_args
 from .validators import check_bool, check_int, check_real
 
 NAMESPACE = "cupyrope"
 _HAS_CUSTOM_OPS = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_fake")
 
-# Everything after (q, k) in both operators' schemas, in order.
+# The angle source and the rotation's options: the same arguments, in this order, in every
+# operator's schema.
+ROTATION_SCHEMA = (
+    "Tensor? positions, Tensor? cos_sin_cache, Tensor? cos, Tensor? sin, float theta, "
+    "str? scaling, float[]? scaling_numbers, bool interleaved, SymInt? rotary_dim, bool inverse, "
+    "SymInt? seq_len")
 _TABLE_ARGS = ("positions", "cos_sin_cache", "cos", "sin")
+_OPTION_ARGS = ("theta", "scaling", "scaling_numbers", "interleaved", "rotary_dim", "inverse",
+                "seq_len")
+NORM_SCHEMA = "Tensor? q_weight, Tensor? k_weight, float? eps, float weight_offset"
+FP8_SCHEMA = ("str? out_dtype, Tensor? q_scale_tensor, float? q_scale, Tensor? k_scale_tensor, "
+              "float? k_scale")
+CACHE_SCHEMA = ("Tensor v, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping, "
+                "str layout, Tensor? v_scale_tensor, float? v_scale, str? cache_dtype")
+_SCALES = ("q_scale", "k_scale", "v_scale")
 
 
-def needs_autograd(q, k) -> bool:
-    """True when q or k is a torch tensor that requires grad while grad mode is on."""
+def needs_autograd(*arrays) -> bool:
+    """True when one of ``arrays`` is a torch tensor that requires grad while grad mode is on."""
     if not torch.is_grad_enabled():
         return False
-    wanted = any(isinstance(x, Tensor) and x.requires_grad for x in (q, k))
+    wanted = any(isinstance(x, Tensor) and x.requires_grad for x in arrays)
     if wanted and not _HAS_CUSTOM_OPS:
         raise NotImplementedError(
-            f"apply_rope: autograd needs torch.library.custom_op (torch >= 2.4); this is torch "
-            f"{torch.__version__}: call apply_rope under torch.no_grad() or pass detached tensors"
+            f"cupyrope: autograd needs torch.library.custom_op (torch >= 2.4); this is torch "
+            f"{torch.__version__}: call it under torch.no_grad() or pass detached tensors"
         )
     return wanted
 
 
 # ----------------------------------------------------------------------------------------------
-# The public entry for torch tensors
+# Arguments of the public functions as operator arguments
+
+
+def _rotation_args(where: str, positions, cos_sin_cache, cos, sin, theta, scaling, interleaved,
+                   rotary_dim, inverse, seq_len) -> dict:
+    """The ``ROTATION_SCHEMA`` arguments of a call, by name, checked and encoded (the scaling
+    dict as text + numbers)."""
+    tables = (positions, cos_sin_cache, cos, sin)
+    for value, name in zip(tables, _TABLE_ARGS):
+        if value is not None:
+            _check_tensor(value, name, where)
+    named = dict(zip(_TABLE_ARGS, tables))
+    named.update(zip(("scaling", "scaling_numbers"), scaling_op_args(scaling, where)))
+    named.update(theta=_number(theta, "theta", where),
+                 interleaved=check_bool(interleaved, "interleaved", where),
+                 rotary_dim=_optional_int(rotary_dim, "rotary_dim", where),
+                 inverse=check_bool(inverse, "inverse", where),
+                 seq_len=_optional_int(seq_len, "seq_len", where))
+    return named
+
+
+def _check_tensor(x, name: str, where: str = "apply_rope") -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(
+            f"{where}: {name} must be a torch tensor when q and k are torch tensors that require "
+            f"grad or inside torch.compile, got {type(x).__module__}.{type(x).__qualname__}"
+        )
+
+
+def _number(value, name: str, where: str = "apply_rope"):
+    """A float for the schema (a symbolic float under torch.compile stays as it is); its range
+    (finite, > 0) is checked where the call runs."""
+    if isinstance(value, torch.SymFloat):
+        return value
+    return check_real(value, name, where)
+
+
+def _optional_int(value, name: str, where: str = "apply_rope"):
+    if value is None or isinstance(value, torch.SymInt):
+        return value
+    return check_int(value, name, where)
+
+
+def _scale_args(value, name: str, where: str) -> dict:
+    """An fp8 scale as the pair of operator arguments ``{name}_tensor`` (a 0-d / one-element
+    float32 tensor, vLLM's convention) and ``{name}`` (a Python number); at most one is set."""
+    if value is None:
+        return {f"{name}_tensor": None, name: None}
+    if isinstance(value, Tensor):
+        return {f"{name}_tensor": value, name: None}
+    return {f"{name}_tensor": None, name: _number(value, name, where)}
+
+
+def _scale_from_args(named: dict, name: str):
+    tensor = named[f"{name}_tensor"]
+    return tensor if tensor is not None else named[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# The public entry for torch tensors: apply_rope
 
 
 def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=None,
@@ -85,18 +199,11 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     _check_tensor(q, "q")
     if k is not None:
         _check_tensor(k, "k")
-    tables = (positions, cos_sin_cache, cos, sin)
-    for value, name in zip(tables, _TABLE_ARGS):
-        if value is not None:
-            _check_tensor(value, name)
-    interleaved = check_bool(interleaved, "interleaved")
-    inverse = check_bool(inverse, "inverse")
+    rotation = _rotation_args("apply_rope", positions, cos_sin_cache, cos, sin, theta, scaling,
+                              interleaved, rotary_dim, inverse, seq_len)
     inplace = check_bool(inplace, "inplace")
-    validate = check_bool(validate, "validate")
-    rotary_dim = _optional_int(rotary_dim, "rotary_dim")
-    seq_len = _optional_int(seq_len, "seq_len")
-    options = (_number(theta, "theta"), *scaling_op_args(scaling), interleaved, rotary_dim,
-               inverse, seq_len, validate)
+    tables = tuple(rotation[name] for name in _TABLE_ARGS)
+    options = (*(rotation[name] for name in _OPTION_ARGS), check_bool(validate, "validate"))
 
     if not inplace:
         q_out, k_out = torch.ops.cupyrope.apply_rope(q, k, *tables, *options)
@@ -110,10 +217,7 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
             # in-place change (it does not keep the mutation hidden in _RotateInPlace's forward
             # apart from the autograd graph: torch 2.11 gave wrong gradients that way).
             q_out, k_out = torch.ops.cupyrope.apply_rope(q, k, *tables, *options)
-            q.copy_(q_out)
-            if k is not None:
-                k.copy_(k_out)
-            return q if k is None else (q, k)
+            return _copy_back(q, k, q_out, k_out)
         for x, name in ((q, "q"), (k, "k")):
             _check_inplace_autograd(x, name)
         if q.requires_grad:
@@ -128,54 +232,30 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     return q if k is None else (q, k)
 
 
-def run_fused(where, q, k, positions, *, rope: dict, fusion: dict, validate: bool):
-    """A fused op (``rms_norm_rope``, ``rope_and_cache``, ``apply_rope(out_dtype=...)``) traced
-    by torch.compile or on tensors that require grad."""
-    if torch.compiler.is_compiling():
-        raise NotImplementedError(
-            f"{where}: fused ops are not traceable by torch.compile yet; call it outside the "
-            "compiled region, or use apply_rope (which is)")
-    raise NotImplementedError(
-        f"{where}: gradients of the fused ops are not available yet; call it under "
-        "torch.no_grad() or on detached tensors (apply_rope is differentiable)")
+def _copy_back(q, k, q_out, k_out):
+    """In place through autograd: the new values copied into q and k (torch's ``copy_``
+    records the change on the autograd graph); returns q, or (q, k)."""
+    q.copy_(q_out)
+    if k is None:
+        return q
+    k.copy_(k_out)
+    return q, k
 
 
-def _check_tensor(x, name: str) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(
-            f"apply_rope: {name} must be a torch tensor when q and k are torch tensors that require "
-            f"grad or inside torch.compile, got {type(x).__module__}.{type(x).__qualname__}"
-        )
-
-
-def _number(value, name: str):
-    """A float for the schema (a symbolic float under torch.compile stays as it is); its range
-    (finite, > 0) is checked where the call runs."""
-    if isinstance(value, torch.SymFloat):
-        return value
-    return check_real(value, name, "apply_rope")
-
-
-def _optional_int(value, name: str):
-    if value is None or isinstance(value, torch.SymInt):
-        return value
-    return check_int(value, name, "apply_rope")
-
-
-def _check_inplace_autograd(x, name: str) -> None:
+def _check_inplace_autograd(x, name: str, where: str = "apply_rope") -> None:
     """torch's own rule for in-place ops, checked before the kernel writes anything."""
     if x is None or not x.requires_grad:
         return
     if x.is_leaf:
         raise RuntimeError(
-            f"apply_rope: inplace=True on {name}, a leaf tensor that requires grad; autograd "
+            f"{where}: inplace=True on {name}, a leaf tensor that requires grad; autograd "
             "cannot record an in-place change of a leaf (as for torch's own in-place ops): rotate "
             "out of place, or in place on a non-leaf (e.g. the output of the QKV projection)"
         )
     base = x._base
     if base is not None and base.is_leaf and base.requires_grad:
         raise RuntimeError(
-            f"apply_rope: inplace=True on {name}, a view of a leaf tensor that requires grad; "
+            f"{where}: inplace=True on {name}, a view of a leaf tensor that requires grad; "
             "autograd cannot record an in-place change of it (as for torch's own in-place ops)"
         )
     if x._is_view() and _creation_meta(x) != "DEFAULT":
@@ -183,7 +263,7 @@ def _check_inplace_autograd(x, name: str) -> None:
         # (split, chunk, unbind), or made under no_grad / inference mode; it raises only after the
         # write, so the same rule is checked here, before anything is written.
         raise RuntimeError(
-            f"apply_rope: inplace=True on {name}, a view of a tensor that requires grad made "
+            f"{where}: inplace=True on {name}, a view of a tensor that requires grad made "
             f"{_CREATION_REASONS.get(_creation_meta(x), 'in a way autograd cannot rebase')}; "
             "autograd cannot record an in-place change of it (as for torch's own in-place ops): "
             "take q and k with slicing or narrow() instead, or rotate out of place"
@@ -205,7 +285,90 @@ def _creation_meta(x) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# The operators
+# The public entry for torch tensors: the fused ops
+
+
+def run_fused(where, q, k, positions, *, rope: dict, fusion: dict, validate: bool):
+    """A fused op (``rms_norm_rope``, ``rope_and_cache``, ``apply_rope(out_dtype=...)``) on torch
+    tensors, through its operator: called by :func:`cupyrope.execute.run_fused`'s router for calls
+    traced by torch.compile and for tensors that require grad. Same arguments, results and errors
+    as the public functions; ``rope`` and ``fusion`` are the dicts they build."""
+    named = fused_op_args(where, q, k, positions, rope, fusion, validate)
+    inplace = check_bool(rope["inplace"], "inplace", where)
+    if inplace and named["out_dtype"] is not None:
+        raise ValueError(f"{where}: an fp8 out_dtype needs new outputs: pass inplace=False")
+    op = _FUSED_OPS[(where, inplace and where != "apply_rope")]  # apply_rope: out of place only
+    graded = [name for name in ("q", "k", "q_weight", "k_weight", "v", "k_cache", "v_cache",
+                                "q_scale_tensor", "k_scale_tensor", "v_scale_tensor")
+              if needs_autograd(named.get(name))]
+    if graded and not (where == "rms_norm_rope" and named["out_dtype"] is None):
+        what = ("the KV-cache write" if where == "rope_and_cache" else
+                f"fp8 outputs (out_dtype={named['out_dtype']!r})")
+        raise NotImplementedError(
+            f"{where}: no gradient for {what}, but {', '.join(graded)} "
+            f"{'requires' if len(graded) == 1 else 'require'} grad; call it under "
+            "torch.no_grad() or on detached tensors (apply_rope, and rms_norm_rope without "
+            "out_dtype, are differentiable)")
+    if graded and inplace:
+        return _norm_in_place_under_autograd(q, k, named, rope)
+    outputs = op.call(named)
+    q_out, k_out = (q, k) if op.inplace else outputs
+    if where == "rope_and_cache":
+        return q_out, k_out, named["k_cache"], named["v_cache"]
+    return q_out if k is None else (q_out, k_out)
+
+
+def fused_op_args(where, q, k, positions, rope: dict, fusion: dict, validate) -> dict:
+    """Every operator argument of a fused call, by name, checked and encoded."""
+    _check_tensor(q, "q", where)
+    if k is not None:
+        _check_tensor(k, "k", where)
+    options = {name: value for name, value in rope.items() if name != "inplace"}
+    named = dict(q=q, k=k, validate=check_bool(validate, "validate", where),
+                 **_rotation_args(where, positions, **options))
+    for name in _TABLE_ARGS[1:]:  # tables get no gradient (as for apply_rope)
+        if named[name] is not None:
+            named[name] = named[name].detach()
+    arrays = ["q_weight", "k_weight"] if "q_weight" in fusion else []
+    if "q_weight" in fusion:
+        eps = fusion["eps"]
+        named.update(q_weight=fusion["q_weight"], k_weight=fusion["k_weight"],
+                     eps=None if eps is None else _number(eps, "eps", where),
+                     weight_offset=_number(fusion["weight_offset"], "weight_offset", where))
+    named["out_dtype"] = fp8_name(fusion["out_dtype"], "out_dtype", where)
+    for name in _SCALES[:2]:
+        named.update(_scale_args(fusion[name], name, where))
+    if "k_cache" in fusion:
+        arrays += ["v", "k_cache", "v_cache", "slot_mapping"]
+        named.update({name: fusion[name] for name in ("v", "k_cache", "v_cache", "slot_mapping")})
+        if fusion["layout"] not in LAYOUTS:
+            raise ValueError(f"{where}: layout must be one of {LAYOUTS}, got {fusion['layout']!r}")
+        named.update(layout=fusion["layout"],
+                     cache_dtype=fp8_name(fusion["cache_dtype"], "cache_dtype", where),
+                     **_scale_args(fusion["v_scale"], "v_scale", where))
+    for name in arrays:
+        if named[name] is not None:
+            _check_tensor(named[name], name, where)
+    return named
+
+
+def _norm_in_place_under_autograd(q, k, named: dict, rope: dict):
+    """``rms_norm_rope(inplace=True)`` with tensors that require grad: the out-of-place operator
+    on copies of q and k (its backward keeps them: q and k are about to change), then ``copy_``
+    into q and k, which records the change like any torch in-place op."""
+    if not torch.compiler.is_compiling():
+        for x, name in ((q, "q"), (k, "k")):
+            _check_inplace_autograd(x, name, "rms_norm_rope")
+        # The checks of the in-place call (q and k must not share an element with each other or
+        # another operand), before anything is written.
+        plan_rope(q.detach(), None if k is None else k.detach(), named["positions"], **rope)
+    copies = dict(named, q=q.clone(), k=None if k is None else k.clone())
+    q_out, k_out = _FUSED_OPS[("rms_norm_rope", False)].call(copies)
+    return _copy_back(q, k, q_out, k_out)
+
+
+# ----------------------------------------------------------------------------------------------
+# The apply_rope operators
 
 
 def _run(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, scaling_numbers, interleaved,
@@ -219,42 +382,33 @@ def _run(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, scaling_numbe
                        inplace=inplace, validate=validate, seq_len=seq_len)
 
 
-def _empty_k(q: Tensor) -> Tensor:
-    return q.new_empty((0,))
+def _empty_k(q: Tensor, dtype=None) -> Tensor:
+    """The placeholder second output of an operator called with k=None."""
+    return q.new_empty((0,), dtype=dtype)
 
 
-def _rope_functional(q: Tensor, k: Optional[Tensor], positions: Optional[Tensor],
-                     cos_sin_cache: Optional[Tensor], cos: Optional[Tensor], sin: Optional[Tensor],
-                     theta: float, scaling: Optional[str],
-                     scaling_numbers: Optional[list[float]], interleaved: bool,
-                     rotary_dim: Optional[int], inverse: bool, seq_len: Optional[int],
-                     validate: bool) -> tuple[Tensor, Tensor]:
-    result = _run(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, scaling_numbers,
-                  interleaved, rotary_dim, inverse, seq_len, validate, False)
+def _rope_functional(q, k, *rotation_and_validate) -> tuple[Tensor, Tensor]:
+    result = _run(q, k, *rotation_and_validate, False)
     if k is None:
         return result, _empty_k(q)
     return result
 
 
-def _rope_functional_fake(q, k, positions, cos_sin_cache, cos, sin, theta, scaling,
-                          scaling_numbers, interleaved, rotary_dim, inverse, seq_len, validate):
-    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if k is None:
-        return q_out, _empty_k(q)
-    return q_out, torch.empty_like(k, memory_format=torch.contiguous_format)
+def _new_output(x: Tensor, dtype=None) -> Tensor:
+    """A new contiguous tensor of x's shape and device (of ``dtype``, by default x's), as the
+    array path allocates outputs: what the fake implementations return."""
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
 
 
-def _rope_inplace(q: Tensor, k: Optional[Tensor], positions: Optional[Tensor],
-                  cos_sin_cache: Optional[Tensor], cos: Optional[Tensor], sin: Optional[Tensor],
-                  theta: float, scaling: Optional[str], scaling_numbers: Optional[list[float]],
-                  interleaved: bool, rotary_dim: Optional[int], inverse: bool,
-                  seq_len: Optional[int], validate: bool) -> None:
-    _run(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, scaling_numbers, interleaved,
-         rotary_dim, inverse, seq_len, validate, True)
+def _rope_functional_fake(q, k, *rotation_and_validate):
+    return _new_output(q), (_empty_k(q) if k is None else _new_output(k))
 
 
-def _rope_inplace_fake(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, scaling_numbers,
-                       interleaved, rotary_dim, inverse, seq_len, validate) -> None:
+def _rope_inplace(q, k, *rotation_and_validate) -> None:
+    _run(q, k, *rotation_and_validate, True)
+
+
+def _rope_inplace_fake(q, k, *rotation_and_validate) -> None:
     return None
 
 
@@ -335,14 +489,180 @@ class _AlreadyRotated(torch.autograd.Function):
         return (grad_k,) + (None,) * (len(_TABLE_ARGS) + len(ctx.options))
 
 
+# ----------------------------------------------------------------------------------------------
+# The fused operators
+
+
+@dataclass
+class FusedOp:
+    """One fused operator: its name in the ``cupyrope`` namespace, the public function it serves
+    (``where``: error messages and plan), whether it writes q and k in place, and its schema. Its
+    implementation and fake take the schema's arguments by name (``arguments``, in order)."""
+
+    name: str
+    where: str
+    inplace: bool
+    schema: str
+    arguments: tuple[str, ...] = field(init=False)
+    mutated: tuple[str, ...] = field(init=False)  # the arguments declared written (``Tensor(a!)``)
+
+    def __post_init__(self):
+        parsed = torch._C.parse_schema(f"{NAMESPACE}::{self.name}{self.schema}").arguments
+        self.arguments = tuple(a.name for a in parsed)
+        self.mutated = tuple(a.name for a in parsed
+                             if a.alias_info is not None and a.alias_info.is_write)
+
+    def call(self, named: dict):
+        """The operator on the arguments of :func:`_fused_args`."""
+        operator = getattr(torch.ops.cupyrope, self.name)
+        return operator(*(named[name] for name in self.arguments))
+
+    def implementation(self, *args):
+        """Real implementation: :func:`cupyrope.execute.run_fused` with the router off."""
+        named = dict(zip(self.arguments, args))
+        q, k = named["q"].detach(), None if named["k"] is None else named["k"].detach()
+        result = execute.run_fused(self.where, q, k, named["positions"],
+                                   rope=_rope_of(named, self.inplace),
+                                   fusion=_fusion_of(self.where, named),
+                                   validate=named["validate"], router=None)
+        if self.inplace:
+            return None
+        outputs = result if isinstance(result, tuple) else (result,)
+        if k is None:
+            return outputs[0], _empty_k(q, _torch_dtype(named["out_dtype"]))
+        return outputs[0], outputs[1]
+
+    def fake(self, *args):
+        """Fake (meta) implementation: the outputs' shapes and dtypes, nothing run."""
+        if self.inplace:
+            return None
+        named = dict(zip(self.arguments, args))
+        q, k, dtype = named["q"], named["k"], _torch_dtype(named["out_dtype"])
+        return _new_output(q, dtype), (_empty_k(q, dtype) if k is None else _new_output(k, dtype))
+
+
+def _torch_dtype(name):
+    return None if name is None else getattr(torch, name)
+
+
+def _rope_of(named: dict, inplace: bool) -> dict:
+    """The ``rope`` dict of :func:`cupyrope.execute.run_fused` from operator arguments."""
+    rope = {name: named[name] for name in _TABLE_ARGS[1:] + _OPTION_ARGS
+            if name not in ("scaling", "scaling_numbers")}
+    rope["scaling"] = scaling_from_op_args(named["scaling"], named["scaling_numbers"])
+    rope["inplace"] = inplace
+    return rope
+
+
+def _fusion_of(where: str, named: dict) -> dict:
+    """The ``fusion`` dict of :func:`cupyrope.execute.run_fused` from operator arguments."""
+    fusion = {"out_dtype": named["out_dtype"]}
+    scales = _SCALES if "k_cache" in named else _SCALES[:2]
+    fusion.update({name: _scale_from_args(named, name) for name in scales})
+    if "q_weight" in named:
+        fusion.update({name: named[name] for name in ("q_weight", "k_weight", "eps",
+                                                      "weight_offset")})
+        fusion["norm"] = (where == "rms_norm_rope" or named["q_weight"] is not None
+                          or named["k_weight"] is not None)
+    if "k_cache" in named:
+        fusion.update({name: named[name] for name in ("v", "k_cache", "v_cache", "slot_mapping",
+                                                      "layout", "cache_dtype")})
+    return fusion
+
+
+def _fused_schema(q_and_k: str, *parts: str, inplace: bool) -> str:
+    return (f"({q_and_k}, {ROTATION_SCHEMA}, {', '.join(parts)}, bool validate) -> "
+            + ("()" if inplace else "(Tensor, Tensor)"))
+
+
+FUSED_OPS = (
+    FusedOp("rms_norm_rope", "rms_norm_rope", False,
+            _fused_schema("Tensor q, Tensor? k", NORM_SCHEMA, FP8_SCHEMA, inplace=False)),
+    FusedOp("rms_norm_rope_", "rms_norm_rope", True,
+            _fused_schema("Tensor(a!) q, Tensor(b!)? k", NORM_SCHEMA, FP8_SCHEMA, inplace=True)),
+    FusedOp("apply_rope_fp8", "apply_rope", False,
+            _fused_schema("Tensor q, Tensor? k", FP8_SCHEMA, inplace=False)),
+    FusedOp("rope_and_cache", "rope_and_cache", False,
+            _fused_schema("Tensor q, Tensor k", CACHE_SCHEMA, NORM_SCHEMA, FP8_SCHEMA,
+                          inplace=False)),
+    FusedOp("rope_and_cache_", "rope_and_cache", True,
+            _fused_schema("Tensor(a!) q, Tensor(b!) k", CACHE_SCHEMA, NORM_SCHEMA, FP8_SCHEMA,
+                          inplace=True)),
+)
+# (public function, writes q and k in place) -> its operator
+_FUSED_OPS = {(op.where, op.inplace): op for op in FUSED_OPS}
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradients of rms_norm_rope
+
+
+_NORM_OP = _FUSED_OPS[("rms_norm_rope", False)]
+
+
+def _norm_setup_context(ctx, inputs, output):
+    named = dict(zip(_NORM_OP.arguments, inputs))
+    ctx.save_for_backward(named["q"], named["k"], named["q_weight"], named["k_weight"],
+                          *(named[name] for name in _TABLE_ARGS))
+    ctx.eps, ctx.weight_offset = named["eps"], named["weight_offset"]
+    ctx.options = (*(named[name] for name in _OPTION_ARGS), False)
+
+
+def _norm_backward(ctx, grad_q_out, grad_k_out):
+    q, k, q_weight, k_weight, *tables = ctx.saved_tensors
+    need = dict(zip(_NORM_OP.arguments, ctx.needs_input_grad))
+    need_q = need["q"] or need["q_weight"]
+    need_k = k is not None and (need["k"] or need["k_weight"])
+    # One launch rotates both gradients back, in float32 (no rounding before the norm's part).
+    grad_q, grad_k = _rotate_gradients(grad_q_out.float() if need_q else None,
+                                       grad_k_out.float() if need_k else None, need_q, need_k,
+                                       tables, ctx.options)
+    grads = dict.fromkeys(_NORM_OP.arguments)
+    for x, weight, grad, name in ((q, q_weight, grad_q, "q"), (k, k_weight, grad_k, "k")):
+        if grad is None:
+            continue
+        grad_x, grad_weight = rms_norm_backward(x, weight, grad, ctx.eps, ctx.weight_offset)
+        if need[name]:
+            grads[name] = grad_x.to(x.dtype)
+        if need[f"{name}_weight"]:
+            grads[f"{name}_weight"] = grad_weight.to(weight.dtype)
+    return tuple(grads[name] for name in _NORM_OP.arguments)
+
+
+def rms_norm_backward(x: Tensor, weight: Tensor, grad: Tensor, eps: float,
+                      weight_offset: float) -> tuple[Tensor, Tensor]:
+    """(grad of x, grad of weight) in float32 of ``n * (weight_offset + weight)``, ``n = x *
+    rsqrt(mean(x**2) + eps)`` per head (last dim), for the float32 upstream gradient ``grad`` of
+    that product. Torch arithmetic, so it is differentiable again."""
+    x = x.float()
+    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    normed = x * rstd
+    grad_weight = (grad * normed).sum(dim=tuple(range(grad.dim() - 1)))
+    grad_normed = grad * (weight_offset + weight.float())
+    grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+    return grad_x, grad_weight
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+
+
 def _register() -> None:
-    functional = torch.library.custom_op(f"{NAMESPACE}::apply_rope", mutates_args=())(
-        _rope_functional)
+    functional = torch.library.custom_op(
+        f"{NAMESPACE}::apply_rope", _rope_functional, mutates_args=(),
+        schema=f"(Tensor q, Tensor? k, {ROTATION_SCHEMA}, bool validate) -> (Tensor, Tensor)")
     functional.register_fake(_rope_functional_fake)
     functional.register_autograd(_backward, setup_context=_setup_context)
-    inplace = torch.library.custom_op(f"{NAMESPACE}::apply_rope_", mutates_args=("q", "k"))(
-        _rope_inplace)
+    inplace = torch.library.custom_op(
+        f"{NAMESPACE}::apply_rope_", _rope_inplace, mutates_args=("q", "k"),
+        schema=f"(Tensor(a!) q, Tensor(b!)? k, {ROTATION_SCHEMA}, bool validate) -> ()")
     inplace.register_fake(_rope_inplace_fake)
+    for op in FUSED_OPS:
+        registered = torch.library.custom_op(f"{NAMESPACE}::{op.name}", op.implementation,
+                                             mutates_args=op.mutated, schema=op.schema)
+        registered.register_fake(op.fake)
+        if op is _NORM_OP:
+            registered.register_autograd(_norm_backward, setup_context=_norm_setup_context)
 
 
 if _HAS_CUSTOM_OPS and not hasattr(getattr(torch.ops, NAMESPACE), "apply_rope"):
