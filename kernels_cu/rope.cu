@@ -183,22 +183,22 @@ void rope_lean_kernel(const RopeParams p) {
 }
 
 // The fused ops (fused.cuh): RMSNorm before the rotation, fp8 outputs, the KV-cache write. 3
-// resident blocks (80 registers) where that does not spill, else 2 (128): the 16-byte NeoX path of
-// 16-bit dtypes and of computed angles (8 pairs a lane, the next head's chunk loaded ahead:
-// rotated values, cos/sin and two chunks live at once); 64-bit offsets take what they need (they
+// resident blocks (80 registers) where that does not spill, else 2 (128): the 16-byte NeoX path
+// (the next head's chunk loaded ahead: rotated values, cos/sin and two chunks live at once; float32
+// with a table spills 8 bytes at 80 registers on sm_80); 64-bit offsets take what they need (they
 // spill even at 128, and only tensors past 2^31 elements run them).
 // tests/test_kernel_compile.py checks that nothing spills.
-template <typename T, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
+template <bool VECTOR, bool INTERLEAVED, bool WIDE_INDEX>
 struct FusedMinBlocksPerSM {
   static constexpr int value =
       WIDE_INDEX ? 1
-                 : (VECTOR && !INTERLEAVED && (sizeof(T) == 2 || SOURCE == kComputedAngles)) ? 2
-                                                                                             : 3;
+                 : (VECTOR && !INTERLEAVED) ? 2
+                                            : 3;
 };
 
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
 __global__ __launch_bounds__(
-    kMaxThreadsPerBlock, FusedMinBlocksPerSM<T, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX>::value)
+    kMaxThreadsPerBlock, FusedMinBlocksPerSM<VECTOR, INTERLEAVED, WIDE_INDEX>::value)
 void rope_fused_kernel(const RopeParams p, const FusionParams f) {
   rope_fused_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX>(p, f);
 }
