@@ -39,17 +39,23 @@ class KernelSpec:
     wide_index: bool  # 64-bit offsets (else 32-bit: every offset of the launch fits)
     lean: bool = False  # the common case only (see rope.cu): one token dim, no M-RoPE, vector tables
     fused: bool = False  # rope_fused_kernel: RMSNorm, fp8 outputs, KV-cache write (fused.cuh)
+    # The lean fused kernel (fused and lean: fused_lean.cuh) is compiled per set of fusions.
+    norm: bool = False  # RMSNorm before the rotation
+    cache: bool = False  # the k / v cache write
 
     @property
     def name_expression(self) -> str:
         """The instantiation, which is also this specialisation's key in the compiled module."""
-        kernel = ("rope_fused_kernel" if self.fused else
+        kernel = ("rope_fused_lean_kernel" if self.fused and self.lean else
+                  "rope_fused_kernel" if self.fused else
                   "rope_lean_kernel" if self.lean else "rope_kernel")
         flags = (self.vector, self.interleaved)
+        fusions = (f", {str(self.norm).lower()}, {str(self.cache).lower()}"
+                   if self.fused and self.lean else "")
         return (
             f"cupyrope::{kernel}<{CUDA_TYPE_NAMES[self.dtype]}, "
             f"{CUDA_TYPE_NAMES[self.table_dtype]}, {', '.join(str(f).lower() for f in flags)}, "
-            f"{int(self.source)}, {str(self.wide_index).lower()}>"
+            f"{int(self.source)}, {str(self.wide_index).lower()}{fusions}>"
         )
 
 
@@ -86,6 +92,10 @@ def _fused_specialisations() -> tuple[KernelSpec, ...]:
                                         fused=True))
         specs.append(KernelSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED, wide,
                                 fused=True))
+    # The lean fused kernels: 16-byte accesses and 32-bit offsets, one per set of fusions.
+    specs += [dataclasses.replace(spec, lean=True, norm=norm, cache=cache)
+              for spec in specs if spec.vector and not spec.wide_index
+              for norm, cache in itertools.product((False, True), repeat=2)]
     return tuple(specs)
 
 

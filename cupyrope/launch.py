@@ -257,9 +257,13 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
     pointers = (plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr, 0 if k is None else k_out.ptr,
                 0 if plan.positions is None else plan.positions.ptr, cos_ptr, sin_ptr)
     if fusion is not None:
+        lean = fused_lean_applies(plan, vector=vector, wide_index=wide_index,
+                                  token_ndim=len(shape), pairs=pairs,
+                                  table_vector_ok=bool(p["table_vector_ok"]))
         spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
-                          wide_index, fused=True)
-        ring = fused_ring(plan, fusion, vector)
+                          wide_index, lean, fused=True, norm=lean and fusion.norm,
+                          cache=lean and fusion.writes_cache)
+        ring = not lean and fused_ring(plan, fusion, vector)
         fusion_params = fusion_struct(plan, fusion, copy_pass)
         fusion_params["ring"] = ring
         extra_heads = plan.num_k_heads if fusion.writes_cache else 0
@@ -405,6 +409,18 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
 # outputs alone 66.4 -> 63.8, and T = 512 slows (rms_norm_rope 8.7 -> 10.5 us).
 FUSED_RING_BYTES_PER_THREAD = 4 * 32
 FUSED_RING_MIN_TOKENS = 4096
+
+
+def fused_lean_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_ndim: int,
+                       pairs: int, table_vector_ok: bool) -> bool:
+    """Whether the lean fused kernel (kernels_cu/fused_lean.cuh) runs this fused launch: the lean
+    layout of the rope kernels, every dim rotated, one chunk of pairs per lane (at most 32 a
+    head) and norm weights that take 16-byte loads. Everything else runs the general fused
+    kernel."""
+    return (lean_kernel_applies(plan, vector=vector, wide_index=wide_index, token_ndim=token_ndim,
+                                table_vector_ok=table_vector_ok)
+            and plan.rotary_dim == plan.head_dim and (plan.rotary_dim // 2) // pairs <= 32
+            and plan.head_dim % 4 == 0)
 
 
 def fused_ring(plan: RopePlan, fusion, vector: bool) -> bool:

@@ -320,6 +320,38 @@ __device__ __forceinline__ void store_v_head(const FusionParams& f, Index token,
   }
 }
 
+// Per-launch constants of the fused ops: the fp8 stores' reciprocal scales and the norm's.
+struct FusedConstants {
+  float q_inv_scale, k_inv_scale, v_inv_scale, inv_dim, eps;
+};
+
+__device__ __forceinline__ FusedConstants fused_constants(const FusionParams& f,
+                                                          long long head_dim) {
+  return {inverse_scale_of(f.q_scale, f.q_scale_value), inverse_scale_of(f.k_scale, f.k_scale_value),
+          inverse_scale_of(f.v_scale, f.v_scale_value), 1.0f / static_cast<float>(head_dim),
+          static_cast<float>(f.eps)};
+}
+
+// The position of a thread's first token, loaded before the block fills the norm weights so that
+// the two loads overlap across the barrier (a decode step has one token: this is its latency).
+template <int SOURCE, bool LEAN, typename Index>
+__device__ __forceinline__ long long first_token_position(const RopeParams& p, Index first_token,
+                                                          Index num_tokens) {
+  if constexpr (SOURCE == kTokenTables) return 0;
+  if (first_token >= num_tokens) return 0;
+  return load_position(p, (LEAN ? lean_token_offsets(p, first_token)
+                                : token_offsets(p, first_token)).positions);
+}
+
+// The first v head a thread visits: after its q and k heads, on the same stride.
+template <typename Index>
+__device__ __forceinline__ Index first_v_head_of(Index first_head, Index head_step,
+                                                 Index num_rotated) {
+  return first_head >= num_rotated
+             ? first_head
+             : first_head + (num_rotated - first_head + head_step - 1) / head_step * head_step;
+}
+
 // The fused kernel's body: every token this thread's block strides over; per token, its cache
 // slot and cos/sin of the lane's first chunk once, then each head this thread visits: RMSNorm
 // (sum of squares over the lanes), rotation of its chunks, the dims past rotary_dim, and the
@@ -366,25 +398,14 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
   const Index token_step = static_cast<Index>(gridDim.x) * blockDim.z;
   const Index lane0 = threadIdx.x;
   // The first v head this thread visits (after its q and k heads).
-  const Index first_v_head =
-      first_head >= num_rotated
-          ? first_head
-          : first_head + (num_rotated - first_head + head_step - 1) / head_step * head_step;
+  const Index first_v_head = first_v_head_of(first_head, head_step, num_rotated);
 
-  const float q_inv_scale = inverse_scale_of(f.q_scale, f.q_scale_value);
-  const float k_inv_scale = inverse_scale_of(f.k_scale, f.k_scale_value);
-  const float v_inv_scale = inverse_scale_of(f.v_scale, f.v_scale_value);
-  const float inv_dim = 1.0f / static_cast<float>(head_dim);
-  const float eps = static_cast<float>(f.eps);
-  // The first token's position is loaded before the block fills the norm weights, so that the
-  // two loads overlap across the barrier (a decode step has one token: this is its latency).
+  const FusedConstants k = fused_constants(f, head_dim);
+  const float q_inv_scale = k.q_inv_scale, k_inv_scale = k.k_inv_scale;
+  const float v_inv_scale = k.v_inv_scale, inv_dim = k.inv_dim, eps = k.eps;
   const Index first_token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
-  long long first_position = 0;
-  if constexpr (SOURCE != kTokenTables) {
-    if (first_token < num_tokens) {
-      first_position = load_position(p, token_offsets(p, first_token).positions);
-    }
-  }
+  const long long first_position =
+      first_token_position<SOURCE, false>(p, first_token, num_tokens);
   const float* const norm_weights = f.norm ? fill_norm_weights(f, head_dim) : nullptr;
 
   for (Index token = first_token; token < num_tokens; token += token_step) {

@@ -12,9 +12,11 @@
 //
 // Three kernels: rope_lean_kernel for the common case (one token dim after merging, no M-RoPE,
 // 16-byte accesses, 32-bit offsets, vector cos/sin rows: fewer registers and about half the
-// instructions), rope_kernel for every layout, rope_fused_kernel for the fused ops (fused.cuh).
+// instructions), rope_kernel for every layout, rope_fused_kernel for the fused ops (fused.cuh)
+// and rope_fused_lean_kernel for their common layout (fused_lean.cuh).
 #include "angles.cuh"
 #include "fused.cuh"
+#include "fused_lean.cuh"
 #include "numeric.cuh"
 #include "rope_params.cuh"
 #include "rotation.cuh"
@@ -201,6 +203,21 @@ __global__ __launch_bounds__(
     kMaxThreadsPerBlock, FusedMinBlocksPerSM<VECTOR, INTERLEAVED, WIDE_INDEX>::value)
 void rope_fused_kernel(const RopeParams p, const FusionParams f) {
   rope_fused_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX>(p, f);
+}
+
+// The fused ops in the lean layout, one kernel per set of fusions (NORM, CACHE): 4 resident blocks
+// (64 registers), 3 (80) with both, which spill at 64.
+template <bool NORM, bool CACHE>
+struct FusedLeanMinBlocksPerSM {
+  static constexpr int value = NORM && CACHE ? 3 : 4;
+};
+
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
+          bool NORM, bool CACHE>
+__global__ __launch_bounds__(kMaxThreadsPerBlock, FusedLeanMinBlocksPerSM<NORM, CACHE>::value)
+void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
+  static_assert(VECTOR && !WIDE_INDEX, "lean kernels take 16-byte accesses and 32-bit offsets");
+  rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE>(p, f);
 }
 
 }  // namespace cupyrope

@@ -5,6 +5,8 @@ fused kernel on the GPU (marked gpu)."""
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -79,6 +81,101 @@ def test_rms_norm_rope_matches_the_reference(backend, rng, dtype, source, interl
         got = _host(backend, out)
         assert got.dtype == np_dtype(dtype) and got.shape == x.shape
         _assert_close(got, expected, dtype, f"{backend} {name}")
+
+
+# The fusions of each kernel specialisation of the lean fused kernel (fused_lean.cuh), with and
+# without fp8 stores (a run-time choice in it).
+LEAN_CASES = ["norm", "fp8 out", "norm + fp8 out", "cache", "norm + cache", "norm + fp8 cache"]
+
+
+@pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
+@pytest.mark.parametrize("kernel", ["lean", "general"])
+@pytest.mark.parametrize("case", LEAN_CASES)
+@pytest.mark.parametrize("dtype,interleaved,source,D", [
+    ("bfloat16", False, "cache", 128), ("bfloat16", True, "computed", 96),
+    ("float16", False, "tables_half", 96), ("float32", True, "cache", 64)])
+def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, kernel, case, dtype,
+                                        interleaved, source, D):
+    """The common layout runs the lean fused kernel, compiled for the fusions of the call; the
+    general fused kernel, forced onto the same call, gives results within the same bounds. Head
+    sizes of 96 leave lanes without a chunk (the norm's lanes are a power of two)."""
+    from cupyrope import launch
+
+    ran = []
+    plan_launch = launch.plan_launch
+
+    def recording(*args, **kwargs):
+        spec = plan_launch(*args, **kwargs)
+        ran.append(spec.kernel)
+        return spec
+
+    monkeypatch.setattr(launch, "plan_launch", recording)
+    if kernel == "general":
+        monkeypatch.setattr(launch, "fused_lean_applies", lambda *args, **kwargs: False)
+    norm, cache = "norm" in case, "cache" in case
+    fp8 = "float8_e4m3fn" if "fp8" in case else None
+    T, Hq, Hk = 37, 6, 2
+    positions = rng.integers(0, 4096, T)
+    q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
+    k = (rng.standard_normal((T, Hk, D)) * 3).astype(np_dtype(dtype))
+    v = rng.standard_normal((T, Hk, D)).astype(np_dtype(dtype))
+    w = {"q": rng.uniform(0.5, 1.5, D).astype(np.float32),
+         "k": rng.uniform(0.5, 1.5, D).astype(np.float32)}
+    lib, ref_kw, _ = angle_source(source, (T,), positions, D, interleaved=interleaved)
+    angles = {name: backend.put(x) if isinstance(x, np.ndarray) else x for name, x in lib.items()}
+    norm_kw = ({"q_weight": backend.put(w["q"]), "k_weight": backend.put(w["k"]), "eps": 1e-6}
+               if norm else {})
+    qb, kb = backend.put(q), backend.put(k)
+    extra = {"cache_dtype": fp8} if fp8 and backend.framework == "cupy" else {}
+    if cache:
+        num_blocks, block_size = 5, 16
+        slots = rng.permutation(num_blocks * block_size)[:T].astype(np.int64)
+        slots[::5] = -1  # padding
+        fmt = np.dtype(getattr(ml_dtypes, fp8)) if fp8 else np_dtype(dtype)
+        put_cache = functools.partial(_put_fp8, backend) if fp8 else backend.put
+        k_cache = put_cache(np.zeros((num_blocks, block_size, Hk, D), fmt))
+        v_cache = put_cache(np.zeros((num_blocks, block_size, Hk, D), fmt))
+        scales = {"k_scale": 0.5, "v_scale": 2.0} if fp8 else {}
+        q_out, k_out, _, _ = cr.rope_and_cache(
+            qb, kb, backend.put(v), angles.pop("positions", None), k_cache, v_cache, backend.put(slots), interleaved=interleaved,
+            inplace=False, **angles, **norm_kw, **scales, **extra)
+    elif norm:
+        q_out, k_out = cr.rms_norm_rope(qb, kb, **norm_kw, interleaved=interleaved, **angles,
+                                        out_dtype=fp8, q_scale=0.5 if fp8 else None,
+                                        k_scale=0.25 if fp8 else None)
+    else:
+        q_out, k_out = cr.apply_rope(qb, kb, interleaved=interleaved, **angles, out_dtype=fp8,
+                                     q_scale=0.5, k_scale=0.25)
+    (spec,) = ran
+    assert spec.fused and spec.lean is (kernel == "lean")
+    assert (spec.norm, spec.cache) == ((norm, cache) if kernel == "lean" else (False, False))
+
+    expected = {name: reference_rope(_rms_norm64(x, w[name], 1e-6, 0.0) if norm else x,
+                                     interleaved=interleaved, **ref_kw)
+                for name, x in (("q", q), ("k", k))}
+    out_scale = {"q": 0.5, "k": 0.25} if fp8 and not cache else {"q": 1.0, "k": 1.0}
+    for name, out in (("q", q_out), ("k", k_out)):
+        got = _host(backend, out)
+        if out_scale[name] != 1.0:  # fp8: 1 ulp (2^-3 relative) of the value it rounds
+            got = got.view(np.dtype(getattr(ml_dtypes, fp8))) if got.dtype == np.uint8 else got
+            exact = expected[name] / out_scale[name]
+            err = np.abs(got.astype(np.float64) - exact)
+            assert np.all(err <= np.abs(exact) * 2.0 ** -3 + 2.0 ** -9), f"{name}: {err.max()}"
+        else:
+            _assert_close(got, expected[name], dtype, f"{kernel} {case} {name}")
+    if cache:
+        valid = slots >= 0
+        got_k = _host(backend, k_cache).reshape(-1, Hk, D)[slots[valid]]
+        got_v = _host(backend, v_cache).reshape(-1, Hk, D)[slots[valid]]
+        if fp8:
+            got_k = got_k.view(fmt) if got_k.dtype == np.uint8 else got_k
+            got_v = got_v.view(fmt) if got_v.dtype == np.uint8 else got_v
+            for got, exact in ((got_k, expected["k"][valid] / 0.5), (got_v, v[valid] / 2.0)):
+                err = np.abs(got.astype(np.float64) - exact)
+                assert np.all(err <= np.abs(exact) * 2.0 ** -3 + 2.0 ** -9), err.max()
+        else:
+            _assert_close(got_k, expected["k"][valid], dtype, f"{kernel} {case} k cache")
+            np.testing.assert_array_equal(got_v, v[valid])
 
 
 @pytest.mark.parametrize("backend", backend_params(["numpy", "cupy", "torch-cuda"]), indirect=True)

@@ -84,6 +84,25 @@ def test_lean_kernel_takes_the_common_case_only():
     assert mrope.mrope_mode and not _lean(mrope, table_vector_ok=False)
 
 
+
+def test_lean_fused_kernel_takes_whole_rotated_heads_only():
+    q = np.zeros((16, 4, 128), dtype=np.float32)
+    cache = np.zeros((64, 128), dtype=np.float32)
+    positions = np.arange(16)
+    args = dict(vector=True, wide_index=False, token_ndim=1, pairs=4, table_vector_ok=True)
+    plan = plan_rope(q, None, positions, cos_sin_cache=cache)
+    assert launch.fused_lean_applies(plan, **args)
+    for override in ({"vector": False}, {"wide_index": True}, {"token_ndim": 2},
+                     {"table_vector_ok": False}):  # as the lean rope kernel
+        assert not launch.fused_lean_applies(plan, **{**args, **override})
+    # Dims past rotary_dim (normalised, quantised or cached with the rest): general kernel.
+    partial = plan_rope(q, None, positions, cos_sin_cache=cache[:, :64])
+    assert partial.rotary_dim == 64 and not launch.fused_lean_applies(partial, **args)
+    # More chunks than the 32 lanes of a head: general kernel (it loops over a head's chunks).
+    wide = plan_rope(np.zeros((16, 4, 512), dtype=np.float32), None, positions)
+    assert launch.fused_lean_applies(wide, **{**args, "pairs": 8})
+    assert not launch.fused_lean_applies(wide, **args)  # 256 pairs / 4 = 64 chunks
+
 def test_shared_angle_bytes_only_for_lean_computed_angles():
     from cupyrope.abi import AngleSource
     from cupyrope.kernels import KernelSpec
