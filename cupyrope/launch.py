@@ -259,7 +259,8 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
     if fusion is not None:
         lean = fused_lean_applies(plan, vector=vector, wide_index=wide_index,
                                   token_ndim=len(shape), pairs=pairs,
-                                  table_vector_ok=bool(p["table_vector_ok"]))
+                                  table_vector_ok=bool(p["table_vector_ok"])) and (
+            _norm_weights_vector_ok(fusion))
         spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
                           wide_index, lean, fused=True, norm=lean and fusion.norm,
                           cache=lean and fusion.writes_cache)
@@ -270,7 +271,7 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
         block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
                                       multiprocessors, extra_heads=extra_heads,
                                       power_of_two_lanes=fusion.norm)
-        shared_bytes = fused_shared_bytes(plan, fusion, ring, block)
+        shared_bytes = 0 if lean else fused_shared_bytes(plan, fusion, ring, block)
         return LaunchSpec(spec, p, grid, block, shared_bytes, pointers, sin_offset, vector,
                           fusion_params)
     lean = lean_kernel_applies(plan, vector=vector, wide_index=wide_index, token_ndim=len(shape),
@@ -421,6 +422,13 @@ def fused_lean_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_
                                 table_vector_ok=table_vector_ok)
             and plan.rotary_dim == plan.head_dim and (plan.rotary_dim // 2) // pairs <= 32
             and plan.head_dim % 4 == 0)
+
+
+def _norm_weights_vector_ok(fusion) -> bool:
+    """The lean fused kernel reads each lane's norm weights with 16-byte loads (the general one
+    copies them to shared memory element by element)."""
+    return all(w is None or (w.ptr % 16 == 0 and w.strides[0] == 1)
+               for w in (fusion.q_weight, fusion.k_weight))
 
 
 def fused_ring(plan: RopePlan, fusion, vector: bool) -> bool:

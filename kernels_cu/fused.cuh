@@ -302,7 +302,9 @@ __device__ __forceinline__ HeadTargets<Index> head_targets(const RopeParams& p,
   return t;
 }
 
-// Copy v head `vh` of the token into the v cache (fp8: value / v_scale), lane by lane.
+// Copy v head `vh` of the token into the v cache (fp8: value / v_scale), lane by lane; nothing
+// for a token without a slot (v_base < 0). v is read first either way (every token has its row),
+// so that the load does not wait for the slot's.
 template <typename T, bool VECTOR, int A, typename Index>
 __device__ __forceinline__ void store_v_head(const FusionParams& f, Index token, Index vh,
                                              long long v_base, Index head_chunks, float v_inv_scale) {
@@ -313,6 +315,7 @@ __device__ __forceinline__ void store_v_head(const FusionParams& f, Index token,
     T raw[A];
     float v[A];
     load_elements<VECTOR>(raw, v_row + c * A);
+    if (v_base < 0) continue;
 #pragma unroll
     for (int i = 0; i < A; ++i) v[i] = to_float(raw[i]);
     store_values<T, VECTOR>(f.v_cache, row + static_cast<long long>(c) * A, v, f.cache_format,
@@ -334,13 +337,12 @@ __device__ __forceinline__ FusedConstants fused_constants(const FusionParams& f,
 
 // The position of a thread's first token, loaded before the block fills the norm weights so that
 // the two loads overlap across the barrier (a decode step has one token: this is its latency).
-template <int SOURCE, bool LEAN, typename Index>
+template <int SOURCE, typename Index>
 __device__ __forceinline__ long long first_token_position(const RopeParams& p, Index first_token,
                                                           Index num_tokens) {
   if constexpr (SOURCE == kTokenTables) return 0;
   if (first_token >= num_tokens) return 0;
-  return load_position(p, (LEAN ? lean_token_offsets(p, first_token)
-                                : token_offsets(p, first_token)).positions);
+  return load_position(p, token_offsets(p, first_token).positions);
 }
 
 // The first v head a thread visits: after its q and k heads, on the same stride.
@@ -405,7 +407,7 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
   const float v_inv_scale = k.v_inv_scale, inv_dim = k.inv_dim, eps = k.eps;
   const Index first_token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
   const long long first_position =
-      first_token_position<SOURCE, false>(p, first_token, num_tokens);
+      first_token_position<SOURCE>(p, first_token, num_tokens);
   const float* const norm_weights = f.norm ? fill_norm_weights(f, head_dim) : nullptr;
 
   for (Index token = first_token; token < num_tokens; token += token_step) {
@@ -532,11 +534,9 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
       }
     }
     // The v heads: to the v cache, unchanged but for the fp8 store.
-    if (s.slot.v_base >= 0) {
-      for (Index head = first_v_head; head < num_heads; head += head_step) {
-        store_v_head<T, VECTOR, A>(f, token, head - num_rotated, s.slot.v_base, head_chunks,
-                                   v_inv_scale);
-      }
+    for (Index head = first_v_head; head < num_heads; head += head_step) {
+      store_v_head<T, VECTOR, A>(f, token, head - num_rotated, s.slot.v_base, head_chunks,
+                                 v_inv_scale);
     }
   }
 }

@@ -9,26 +9,38 @@
 // The common layout (launch.py: fused_lean_applies): 16-byte accesses, 32-bit offsets, one token
 // dim, no M-RoPE, cos/sin rows that take vector loads, every dim rotated (rotary_dim == head_dim),
 // at most 32 lanes a head. Each lane owns one chunk of pairs of every head it visits, as in the
-// rope kernels, so cos/sin are loaded once per token and the lane's norm weights once per head.
+// rope kernels, so cos/sin are loaded once per token and the lane's norm weights once per head
+// (from L1: no shared memory, no barrier).
 #pragma once
 
 #include "fused.cuh"
 
 namespace cupyrope {
 
-// N norm weights from the block's shared copy, 16 bytes at a time: `dim` is a multiple of 4 (a
-// chunk starts at a multiple of its pairs; the host requires head_dim % 4 == 0, so k's copy,
-// head_dim floats after q's, is aligned too).
-template <int N>
-__device__ __forceinline__ void load_norm_weights(const float* weights, int dim, float (&w)[N]) {
-  static_assert(N % 4 == 0, "weights are read 4 at a time");
+// weight_offset + w of dims [dim, dim + N) of one norm weight, straight from global memory in
+// 16-byte loads (or one smaller): every head of a kind reads the same few bytes, so after the
+// first head they come from L1. No shared copy, so no barrier before the first head (a decode
+// step's latency). The host sends weights here only with unit stride and 16-byte alignment; dim
+// is a multiple of N.
+template <typename W, int N>
+__device__ __forceinline__ void load_weights_as(const void* w, int dim, float offset,
+                                                float (&out)[N]) {
+  W raw[N];
+  load_elements<true>(raw, static_cast<const W*>(w) + dim);
 #pragma unroll
-  for (int i = 0; i < N; i += 4) {
-    const float4 four = *reinterpret_cast<const float4*>(weights + dim + i);
-    w[i] = four.x;
-    w[i + 1] = four.y;
-    w[i + 2] = four.z;
-    w[i + 3] = four.w;
+  for (int i = 0; i < N; ++i) out[i] = offset + to_float(raw[i]);
+}
+
+template <int N>
+__device__ __forceinline__ void load_lane_weights(const FusionParams& f, const void* w, int dim,
+                                                  float (&out)[N]) {
+  const float offset = static_cast<float>(f.weight_offset);
+  if (f.weight_dtype == kWeightBFloat16) {
+    load_weights_as<bfloat16_t>(w, dim, offset, out);
+  } else if (f.weight_dtype == kWeightFloat16) {
+    load_weights_as<half_t>(w, dim, offset, out);
+  } else {
+    load_weights_as<float>(w, dim, offset, out);
   }
 }
 
@@ -37,7 +49,7 @@ __device__ __forceinline__ void load_norm_weights(const float* weights, int dim,
 template <typename T, int P, bool INTERLEAVED, bool NORM, bool CACHE>
 __device__ __forceinline__ void lean_rotate_store(const FusionParams& f,
                                                   const HeadChunk<T, P, true, INTERLEAVED>& chunk,
-                                                  int pair0, int half, const float* head_weights,
+                                                  int pair0, int half, const void* head_weights,
                                                   float rms_scale, const float (&cos_v)[P],
                                                   const float (&sin_v)[P], float sin_sign,
                                                   void* out, int out_offset, float out_inv_scale,
@@ -52,7 +64,7 @@ __device__ __forceinline__ void lean_rotate_store(const FusionParams& f,
   if constexpr (NORM) {
     if constexpr (INTERLEAVED) {
       float w[E];
-      load_norm_weights(head_weights, 2 * pair0, w);
+      load_lane_weights(f, head_weights, 2 * pair0, w);
 #pragma unroll
       for (int i = 0; i < P; ++i) {
         x1[i] *= rms_scale * w[2 * i];
@@ -60,10 +72,10 @@ __device__ __forceinline__ void lean_rotate_store(const FusionParams& f,
       }
     } else {
       float w[P];
-      load_norm_weights(head_weights, pair0, w);
+      load_lane_weights(f, head_weights, pair0, w);
 #pragma unroll
       for (int i = 0; i < P; ++i) x1[i] *= rms_scale * w[i];
-      load_norm_weights(head_weights, half + pair0, w);
+      load_lane_weights(f, head_weights, half + pair0, w);
 #pragma unroll
       for (int i = 0; i < P; ++i) x2[i] *= rms_scale * w[i];
     }
@@ -129,26 +141,20 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
 
   const FusedConstants consts = fused_constants(f, head_dim);
   const Index first_token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
-  const long long first_position = first_token_position<SOURCE, true>(p, first_token, num_tokens);
-  const float* norm_weights = nullptr;
-  if constexpr (NORM) norm_weights = fill_norm_weights(f, head_dim);  // f.ring is 0 here
-
   for (Index token = first_token; token < num_tokens; token += token_step) {
     const TokenOffsets<Index> o = lean_token_offsets(p, token);
-    long long position = first_position;
-    if constexpr (SOURCE != kTokenTables) {
-      if (token != first_token) position = load_position(p, o.positions);
-    }
-    SlotRows slot{-1, -1};
-    if constexpr (CACHE) slot = slot_rows(f, static_cast<long long>(token));
-
     float cos_v[P], sin_v[P];
     if (active) {
+      long long position = 0;
+      if constexpr (SOURCE != kTokenTables) position = load_position(p, o.positions);
       chunk_angles<SOURCE, true>(p, o, position, pair0, cos_table, sin_table,
                                  static_cast<Index>(p.cos_col_stride),
                                  static_cast<Index>(p.sin_col_stride), true, sin_sign, cos_v,
                                  sin_v);
     }
+    SlotRows slot{-1, -1};
+    if constexpr (CACHE) slot = slot_rows(f, static_cast<long long>(token));
+
     for (Index head = first_head; head < num_rotated; head += head_step) {
       const bool is_k = head >= num_q_heads;
       const Index kh = head - num_q_heads;
@@ -169,7 +175,7 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
         }
       }
       lean_rotate_store<T, P, INTERLEAVED, NORM, CACHE>(
-          f, chunk, pair0, half, NORM ? norm_weights + (is_k ? head_dim : 0) : nullptr, rms_scale,
+          f, chunk, pair0, half, is_k ? f.k_weight : f.q_weight, rms_scale,
           cos_v, sin_v, head_sign, is_k ? p.k_out : p.q_out,
           is_k ? o.k_out + kh * static_cast<Index>(p.k_out_head_stride)
                : o.q_out + head * static_cast<Index>(p.q_out_head_stride),
@@ -177,11 +183,10 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
     }
     if constexpr (CACHE) {
       // The v heads, after this thread's q and k heads: to the v cache, unchanged but for fp8.
-      if (slot.v_base >= 0) {
-        for (Index head = first_v_head_of(first_head, head_step, num_rotated); head < num_heads; head += head_step) {
-          store_v_head<T, true, A>(f, token, head - num_rotated, slot.v_base, head_chunks,
-                                   consts.v_inv_scale);
-        }
+      for (Index head = first_v_head_of(first_head, head_step, num_rotated); head < num_heads;
+           head += head_step) {
+        store_v_head<T, true, A>(f, token, head - num_rotated, slot.v_base, head_chunks,
+                                 consts.v_inv_scale);
       }
     }
   }

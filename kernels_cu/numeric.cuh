@@ -11,6 +11,9 @@ namespace cupyrope {
 struct half_t { unsigned short bits; };
 struct bfloat16_t { unsigned short bits; };
 
+template <typename T> struct IsHalf { static constexpr bool value = false; };
+template <> struct IsHalf<half_t> { static constexpr bool value = true; };
+
 // Arithmetic happens in float32, or in float64 when the rotated arrays are float64.
 template <typename T> struct ComputeOf { using type = float; };
 template <> struct ComputeOf<double> { using type = double; };

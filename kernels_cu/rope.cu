@@ -206,15 +206,17 @@ void rope_fused_kernel(const RopeParams p, const FusionParams f) {
 }
 
 // The fused ops in the lean layout, one kernel per set of fusions (NORM, CACHE): 4 resident blocks
-// (64 registers), 3 (80) with both, which spill at 64.
-template <bool NORM, bool CACHE>
+// (64 registers), 3 (80) where 64 spill: the norm with the cache write, and the norm of float16
+// NeoX heads.
+template <typename T, bool INTERLEAVED, bool NORM, bool CACHE>
 struct FusedLeanMinBlocksPerSM {
-  static constexpr int value = NORM && CACHE ? 3 : 4;
+  static constexpr int value = NORM && (CACHE || (IsHalf<T>::value && !INTERLEAVED)) ? 3 : 4;
 };
 
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
           bool NORM, bool CACHE>
-__global__ __launch_bounds__(kMaxThreadsPerBlock, FusedLeanMinBlocksPerSM<NORM, CACHE>::value)
+__global__ __launch_bounds__(kMaxThreadsPerBlock,
+                             FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE>::value)
 void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
   static_assert(VECTOR && !WIDE_INDEX, "lean kernels take 16-byte accesses and 32-bit offsets");
   rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE>(p, f);

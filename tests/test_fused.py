@@ -83,22 +83,9 @@ def test_rms_norm_rope_matches_the_reference(backend, rng, dtype, source, interl
         _assert_close(got, expected, dtype, f"{backend} {name}")
 
 
-# The fusions of each kernel specialisation of the lean fused kernel (fused_lean.cuh), with and
-# without fp8 stores (a run-time choice in it).
-LEAN_CASES = ["norm", "fp8 out", "norm + fp8 out", "cache", "norm + cache", "norm + fp8 cache"]
-
-
-@pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
-@pytest.mark.parametrize("kernel", ["lean", "general"])
-@pytest.mark.parametrize("case", LEAN_CASES)
-@pytest.mark.parametrize("dtype,interleaved,source,D", [
-    ("bfloat16", False, "cache", 128), ("bfloat16", True, "computed", 96),
-    ("float16", False, "tables_half", 96), ("float32", True, "cache", 64)])
-def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, kernel, case, dtype,
-                                        interleaved, source, D):
-    """The common layout runs the lean fused kernel, compiled for the fusions of the call; the
-    general fused kernel, forced onto the same call, gives results within the same bounds. Head
-    sizes of 96 leave lanes without a chunk (the norm's lanes are a power of two)."""
+@pytest.fixture
+def launched_kernels(monkeypatch) -> list:
+    """The KernelSpec of every launch the test makes, in order."""
     from cupyrope import launch
 
     ran = []
@@ -110,6 +97,49 @@ def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, kernel, case,
         return spec
 
     monkeypatch.setattr(launch, "plan_launch", recording)
+    return ran
+
+
+@pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
+def test_strided_norm_weights_take_the_general_fused_kernel(backend, rng, launched_kernels):
+    """The lean fused kernel reads norm weights 16 bytes at a time; a strided weight view goes
+    to the general kernel, with the same results."""
+    T, Hq, Hk, D = 9, 4, 2, 128
+    positions = rng.integers(0, 4096, T)
+    cache = cr.cos_sin_cache(4096, D, dtype="float32")
+    q = (rng.standard_normal((T, Hq, D)) * 3).astype(np.float32)
+    k = (rng.standard_normal((T, Hk, D)) * 3).astype(np.float32)
+    w2 = rng.uniform(0.5, 1.5, 2 * D).astype(np.float32)
+    for weights, lean in ((backend.put(w2)[::2], False), (backend.put(w2[::2].copy()), True)):
+        q_out, k_out = cr.rms_norm_rope(backend.put(q), backend.put(k), weights, weights,
+                                        backend.put(positions), eps=1e-6,
+                                        cos_sin_cache=backend.put(cache))
+        assert launched_kernels[-1].lean is lean
+        for x, out in ((q, q_out), (k, k_out)):
+            expected = reference_rope(_rms_norm64(x, w2[::2], 1e-6, 0.0), positions,
+                                      cos_sin_cache=cache)
+            _assert_close(_host(backend, out), expected, "float32", f"lean={lean}")
+
+
+# The fusions of each kernel specialisation of the lean fused kernel (fused_lean.cuh), with and
+# without fp8 stores (a run-time choice in it).
+LEAN_CASES = ["norm", "fp8 out", "norm + fp8 out", "cache", "norm + cache", "norm + fp8 cache"]
+
+
+@pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
+@pytest.mark.parametrize("kernel", ["lean", "general"])
+@pytest.mark.parametrize("case", LEAN_CASES)
+@pytest.mark.parametrize("dtype,interleaved,source,D", [
+    ("bfloat16", False, "cache", 128), ("bfloat16", True, "computed", 96),
+    ("float16", False, "tables_half", 96), ("float32", True, "cache", 64)])
+def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kernels, kernel, case,
+                                        dtype, interleaved, source, D):
+    """The common layout runs the lean fused kernel, compiled for the fusions of the call; the
+    general fused kernel, forced onto the same call, gives results within the same bounds. Head
+    sizes of 96 leave lanes without a chunk (the norm's lanes are a power of two)."""
+    from cupyrope import launch
+
+    ran = launched_kernels
     if kernel == "general":
         monkeypatch.setattr(launch, "fused_lean_applies", lambda *args, **kwargs: False)
     norm, cache = "norm" in case, "cache" in case
