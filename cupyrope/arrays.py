@@ -402,16 +402,18 @@ def bump_versions(tensors: tuple) -> None:
     _torch()._C._increment_version(tensors)
 
 
-def new_gpu_outputs(q, k):
+def new_gpu_outputs(q, k, dtype: str | None = None):
     """(q_out, q_out pointer, k_out, k_out pointer): new contiguous arrays of q's and k's type,
-    shape, dtype and device (k may be None), for a CUDA torch tensor or CuPy array q."""
+    shape, device and dtype (or ``dtype``: an fp8 output, bits for CuPy) (k may be None), for a
+    CUDA torch tensor or CuPy array q."""
     if _gpu_kind(q) == "torch":
-        q_out = new_output(q, "torch", None, (), "")
-        k_out = None if k is None else new_output(k, "torch", None, (), "")
+        q_out = new_output(q, "torch", None, tuple(q.shape) if dtype else (), dtype or "")
+        k_out = None if k is None else new_output(k, "torch", None,
+                                                  tuple(k.shape) if dtype else (), dtype or "")
         return q_out, q_out.data_ptr(), k_out, 0 if k is None else k_out.data_ptr()
     device = q.device.id
-    q_out = new_output(q, "cupy", device, q.shape, q.dtype.name)
-    k_out = None if k is None else new_output(k, "cupy", device, k.shape, k.dtype.name)
+    q_out = new_output(q, "cupy", device, q.shape, dtype or q.dtype.name)
+    k_out = None if k is None else new_output(k, "cupy", device, k.shape, dtype or k.dtype.name)
     return q_out, q_out.data.ptr, k_out, 0 if k is None else k_out.data.ptr
 
 

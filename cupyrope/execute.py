@@ -17,7 +17,8 @@ from .fusion import plan_fused
 from .numpy_path import fused_on_host, rotate_on_host
 from .overlap import byte_span
 from .plan import RopePlan, check_values, plan_rope
-from .recipes import call_key, guard_in_place, recipes, replay
+from .recipes import (FUSED_OPERANDS, call_key, fused_call_key, guard_in_place, guard_written,
+                      recipes, replay, replay_fused)
 
 
 def run(q, k, positions, cos_sin_cache, cos, sin, *, theta, scaling, interleaved, rotary_dim,
@@ -119,16 +120,47 @@ def run_fused(where: str, q, k, positions, *, rope: dict, fusion: dict, validate
         if route is not None:
             return route.run_fused(where, q, k, positions, rope=rope, fusion=fusion,
                                    validate=validate)
+    # The repeat-call path, after the router (autograd and tracing never reach it).
+    key = None if validate else fused_call_key(where, q, k, positions, rope, fusion)
+    caches = (fusion["k_cache"], fusion["v_cache"]) if "k_cache" in fusion else None
+    if key is not None:
+        recipe = recipes.get(key[0])
+        if recipe is not None:
+            result = replay_fused(recipe, q, k, caches, key[1], rope["inplace"])
+            if result is not None:
+                return result
+
     plan = plan_fused(where, q, k, positions, rope=rope, fusion=fusion, validate=validate)
     f = plan.fusion
     inputs, natives, outputs = _outputs(plan, f.out_dtype)
-    rotate(plan, outputs)
+    recipe = rotate(plan, outputs)
     written = natives if plan.inplace else []
     if f.writes_cache:
         written = [*written, f.k_cache.obj, f.v_cache.obj]
     mark_written(*written)
+    if recipe is not None and key is not None:
+        _keep_fused_recipe(recipe, plan, key)
     results = natives if plan.inplace else [finish(info, out, f.out_dtype)
                                             for info, out in zip(inputs, natives)]
     if f.writes_cache:
         return results[0], results[1], f.k_cache.obj, f.v_cache.obj
     return results[0] if plan.k is None else (results[0], results[1])
+
+
+def _keep_fused_recipe(recipe, plan: RopePlan, key) -> None:
+    """Keep the recipe of a fused call for repeat calls, guarded so that a replay writes q and k
+    (in place) and the caches only where they meet the other operands as the full path checked."""
+    f = plan.fusion
+    infos = {"q": plan.q, "k": plan.k, "positions": plan.positions, "cos_sin_cache": plan.cache,
+             "cos": plan.cos, "sin": plan.sin, "q_weight": f.q_weight, "k_weight": f.k_weight,
+             "v": f.v, "k_cache": f.k_cache, "v_cache": f.v_cache, "slot_mapping": f.slot_mapping,
+             **{name: None if scale is None else scale.array
+                for name, scale in (("q_scale", f.q_scale), ("k_scale", f.k_scale),
+                                    ("v_scale", f.v_scale))}}
+    spans = [None if infos[name] is None else byte_span(infos[name]) for name in FUSED_OPERANDS]
+    written = ((("q", "k") if plan.inplace else ())
+               + (("k_cache", "v_cache") if f.writes_cache else ()))
+    recipe.torch = plan.q.kind == "torch"
+    recipe.out_dtype = f.out_dtype
+    guard_written(recipe, spans, key[1], tuple(FUSED_OPERANDS.index(name) for name in written))
+    recipes.put(key[0], recipe)

@@ -5,7 +5,8 @@ call of a given layout plans it in full (``cupyrope.plan``, ``cupyrope.launch``)
 recipe here, keyed on everything it depends on except the pointers: array types, shapes, strides,
 dtypes, devices and pointer alignment, and the options. A repeated call with that key skips
 argument checking and planning (the checks passed for exactly this metadata before) and only
-launches.
+launches. The fused ops (:func:`fused_call_key`, :func:`replay_fused`) do the same with the
+pointers of their weights, v, caches, slot mapping and scale arrays as well.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import ctypes
 import struct
 import threading
 
-from .abi import PARAMS_DTYPE
+from .abi import FUSION_PARAMS_DTYPE, PARAMS_DTYPE
 from .arrays import (bump_versions, cupy_module, current_stream, gpu_array_key, inference_mode_enabled,
                      new_gpu_outputs)
 from .scaling import exact_key
@@ -25,6 +26,11 @@ _ArgumentPointers = ctypes.c_void_p * 1
 _DATA_POINTERS = struct.Struct("<7Q")
 assert [PARAMS_DTYPE.fields[name][1] for name in
         ("q", "k", "q_out", "k_out", "positions", "cos", "sin")] == list(range(0, 56, 8))
+# FusionParams leads with its nine data pointers, in this order: one pack_into writes them all.
+FUSION_POINTERS = ("q_weight", "k_weight", "q_scale", "k_scale", "v_scale", "v", "k_cache",
+                   "v_cache", "slot_mapping")
+_FUSION_DATA_POINTERS = struct.Struct("<9Q")
+assert [FUSION_PARAMS_DTYPE.fields[name][1] for name in FUSION_POINTERS] == list(range(0, 72, 8))
 
 
 class LaunchRecipe:
@@ -32,7 +38,8 @@ class LaunchRecipe:
     the same shapes, strides, dtypes and alignment only fills in pointers and launches."""
 
     __slots__ = ("function_ptr", "device", "grid", "block", "shared_bytes", "sin_offset", "vector",
-                 "keep_alive", "spec", "torch", "in_place_checks", "_words", "_fusion_words",
+                 "keep_alive", "spec", "torch", "in_place_checks", "out_dtype", "_words",
+                 "_fusion_words",
                  "_argv_address",
                  "_argv", "_lock", "_runtime", "_driver")
 
@@ -48,7 +55,8 @@ class LaunchRecipe:
         self.keep_alive = keep_alive  # device constants the parameters point at
         self.spec = spec  # the KernelSpec launched (tests read it)
         self.torch = False  # torch arrays: in-place writes bump their version counters
-        self.in_place_checks = ()  # see guard_in_place
+        self.in_place_checks = ()  # see guard_written
+        self.out_dtype = None  # a fused call's fp8 output dtype (new outputs of a replay)
         # The parameter block is reused: only its pointer fields change between calls, and
         # cuLaunchKernel copies it before returning, so a lock around fill + launch suffices.
         self._words = _ParamsWords.from_buffer_copy(params.tobytes())
@@ -66,8 +74,9 @@ class LaunchRecipe:
         cupy = cupy_module()
         self._runtime, self._driver = cupy.cuda.runtime, cupy.cuda.driver
 
-    def launch(self, like, q, k, q_out, k_out, positions, cos, sin) -> None:
-        """Launch on ``like``'s current stream with these data pointers (0 for absent ones)."""
+    def launch(self, like, q, k, q_out, k_out, positions, cos, sin, fusion=None) -> None:
+        """Launch on ``like``'s current stream with these data pointers (0 for absent ones);
+        ``fusion``: the FusionParams pointers of a fused launch, in FUSION_POINTERS order."""
         if self.sin_offset is not None:
             sin = cos + self.sin_offset
         runtime = self._runtime
@@ -79,6 +88,8 @@ class LaunchRecipe:
             stream = current_stream(like, self.device)
             with self._lock:
                 _DATA_POINTERS.pack_into(self._words, 0, q, k, q_out, k_out, positions, cos, sin)
+                if fusion is not None:
+                    _FUSION_DATA_POINTERS.pack_into(self._fusion_words, 0, *fusion)
                 self._driver.launchKernel(self.function_ptr, *self.grid, 1, *self.block,
                                           self.shared_bytes, stream, self._argv_address, 0)
         finally:
@@ -152,21 +163,29 @@ def call_key(q, k, positions, cos_sin_cache, cos, sin, options):
 
 
 def guard_in_place(recipe: LaunchRecipe, spans, pointers) -> None:
-    """Let ``recipe`` replay in place only where no written array can share an element with
-    another operand. ``spans`` are the operands' (low, high) byte spans from their pointers (None
-    where absent) and ``pointers`` those the full path checked exactly: a replay whose written and
-    other operands' address ranges meet must meet at the same distances, else the full path
-    decides again (disjoint ranges never share an element)."""
+    """:func:`guard_written` for an in-place rotation: q and k (the first two operands) are
+    written."""
+    guard_written(recipe, spans, pointers, (0, 1))
+
+
+def guard_written(recipe: LaunchRecipe, spans, pointers, written) -> None:
+    """Let ``recipe`` replay only where no written array can share an element with another
+    operand. ``spans`` are the operands' (low, high) byte spans from their pointers (None where
+    absent), ``pointers`` those the full path checked exactly and ``written`` the indices of the
+    operands the launch writes: a replay whose written and other operands' address ranges meet
+    must meet at the same distances, else the full path decides again (disjoint ranges never
+    share an element)."""
     checks = []
-    for w in (0, 1):
+    for w in written:
         if spans[w] is None:
             continue
-        for o in range(w + 1, len(spans)):
-            if spans[o] is not None:
-                distance = pointers[o] - pointers[w]
-                met = distance + spans[o][0] < spans[w][1] and spans[w][0] < distance + spans[o][1]
-                checks.append((w, o, spans[w][0] - spans[o][1], spans[w][1] - spans[o][0],
-                               distance if met else None))
+        for o in range(len(spans)):
+            if spans[o] is None or o == w or (o in written and o < w):  # each pair once
+                continue
+            distance = pointers[o] - pointers[w]
+            met = distance + spans[o][0] < spans[w][1] and spans[w][0] < distance + spans[o][1]
+            checks.append((w, o, spans[w][0] - spans[o][1], spans[w][1] - spans[o][0],
+                           distance if met else None))
     recipe.in_place_checks = tuple(checks)
 
 
@@ -198,4 +217,76 @@ def replay(recipe: LaunchRecipe, q, k, pointers, inplace: bool):
                   sin_ptr)
     if inplace and recipe.torch:
         bump_versions((q,) if k is None else (q, k))
+    return q_out if k is None else (q_out, k_out)
+
+
+# The array operands of a fused call, in the order of a key's pointers: the rotation's, then
+# FusionParams' (scales are arrays or numbers: a number is an option of the key).
+FUSED_OPERANDS = ("q", "k", "positions", "cos_sin_cache", "cos", "sin") + FUSION_POINTERS
+_SCALES = ("q_scale", "k_scale", "v_scale")
+
+
+def fused_call_key(where: str, q, k, positions, rope: dict, fusion: dict):
+    """(hashable key, pointers in FUSED_OPERANDS order) for a fused call on CUDA torch tensors /
+    CuPy arrays, else None: as :func:`call_key`, over every array operand and option of the
+    call (``where`` names the op)."""
+    values = {"q": q, "k": k, "positions": positions, **rope, **fusion}
+    metas, pointers = [], []
+    for name in FUSED_OPERANDS:
+        x = values.get(name)
+        found = None if x is None else gpu_array_key(x)
+        if found is None:
+            if x is not None and (name not in _SCALES or _is_array(x)):
+                return None  # not a CUDA array here (or one the full path must see)
+            metas.append(None)
+            pointers.append(0)
+        else:
+            metas.append(found[0])
+            pointers.append(found[1])
+    options = []
+    for name, value in (*rope.items(), *fusion.items()):
+        if name in FUSED_OPERANDS and (name not in _SCALES or metas[FUSED_OPERANDS.index(name)]):
+            continue  # an array operand, keyed above
+        if _is_array(value):
+            return None  # an array where an option goes: the full path decides
+        if name == "scaling" and value is not None:
+            try:
+                value = exact_key(value)
+            except TypeError:
+                return None
+        options.append((name, type(value), value))
+    try:
+        key = (where, tuple(metas), tuple(options))
+        hash(key)
+    except TypeError:  # an unhashable option: full path
+        return None
+    return key, pointers
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "__dlpack__") or hasattr(x, "__array__") or hasattr(x, "__cuda_array_interface__")
+
+
+def replay_fused(recipe: LaunchRecipe, q, k, caches, pointers, inplace: bool):
+    """Run a cached fused recipe on new arrays; None when the full path must decide instead.
+    ``caches`` are the k and v caches the call writes (or None)."""
+    if recipe.in_place_checks and not _meets_as_checked(recipe, pointers):
+        return None
+    written = ((q, k) if inplace else ()) + (caches or ())
+    written = tuple(x for x in written if x is not None)
+    if recipe.torch and not inference_mode_enabled() and any(x.is_inference() for x in written):
+        return None  # torch refuses these writes: the full path raises its error
+    q_ptr, k_ptr, positions_ptr, cache_ptr, cos_ptr, sin_ptr = pointers[:6]
+    if inplace:
+        q_out, k_out, q_out_ptr, k_out_ptr = q, k, q_ptr, k_ptr
+    else:
+        q_out, q_out_ptr, k_out, k_out_ptr = new_gpu_outputs(q, k, recipe.out_dtype)
+        if recipe.vector and (q_out_ptr | k_out_ptr) & 15:
+            return None
+    recipe.launch(q, q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr or cos_ptr,
+                  sin_ptr, pointers[6:])
+    if recipe.torch and written:
+        bump_versions(written)
+    if caches is not None:
+        return q_out, k_out, caches[0], caches[1]
     return q_out if k is None else (q_out, k_out)

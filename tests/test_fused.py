@@ -85,8 +85,11 @@ def test_rms_norm_rope_matches_the_reference(backend, rng, dtype, source, interl
 
 @pytest.fixture
 def launched_kernels(monkeypatch) -> list:
-    """The KernelSpec of every launch the test makes, in order."""
-    from cupyrope import launch
+    """The KernelSpec of every launch the test plans, in order (repeat calls of a layout replay
+    their first launch unplanned: the recipes of earlier tests are forgotten first)."""
+    from cupyrope import execute, launch
+
+    execute.clear()
 
     ran = []
     plan_launch = launch.plan_launch

@@ -94,3 +94,106 @@ def test_cupy_repeats_and_other_streams():
         else:
             out = cr.apply_rope(q, positions=positions, cos_sin_cache=cache, interleaved=True)
         _check(out, q, positions, cache, interleaved=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused ops: a repeat call with the same layout fills in the pointers of every operand
+# (weights, v, caches, slot mapping, scale arrays) and launches, without checking and planning.
+
+
+def _rms_norm64(x, w, eps=1e-6):
+    x = as_numpy(x).astype(np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * as_numpy(w)
+
+
+def _fused_call(torch, case, T=19, Hq=6, Hk=2, D=128, num_blocks=4, block_size=16):
+    """One call of ``case`` on fresh tensors: (outputs, what to check them against)."""
+    cache = cr.cos_sin_cache(4096, D, like=torch.empty(1, device="cuda"))
+    q = torch.randn(T, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(T, Hk, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(T, Hk, D, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5
+    positions = torch.randint(0, 4096, (T,), device="cuda")
+    q0, k0 = q.clone(), k.clone()
+    exact = {name: reference_rope(_rms_norm64(x, w) if "norm" in case else as_numpy(x),
+                                  as_numpy(positions), cos_sin_cache=as_numpy(cache))
+             for name, x in (("q", q0), ("k", k0))}
+    if case == "rms_norm_rope":
+        q_out, k_out = cr.rms_norm_rope(q, k, w, w, positions, eps=1e-6, cos_sin_cache=cache)
+        return {"q": q_out, "k": k_out}, exact
+    if case == "rms_norm_rope in place":
+        q_out, k_out = cr.rms_norm_rope(q, k, w, w, positions, eps=1e-6, cos_sin_cache=cache,
+                                        inplace=True)
+        assert q_out is q and k_out is k
+        return {"q": q, "k": k}, exact
+    if case == "fp8 out":
+        scale = torch.full((), 0.5, device="cuda")
+        q8, k8 = cr.apply_rope(q, k, positions, cos_sin_cache=cache, out_dtype="float8_e4m3fn",
+                               q_scale=scale, k_scale=0.25)
+        assert q8.dtype == torch.float8_e4m3fn
+        return {"q": q8.float() * 0.5, "k": k8.float() * 0.25}, exact
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:T]
+    slots[::5] = -1
+    k_cache = torch.zeros(num_blocks, block_size, Hk, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    norm = {"q_weight": w, "k_weight": w, "eps": 1e-6} if "norm" in case else {}
+    result = cr.rope_and_cache(q, k, v, positions, k_cache, v_cache, slots, cos_sin_cache=cache,
+                               **norm)
+    assert result[0] is q and result[2] is k_cache
+    valid = as_numpy(slots) >= 0
+    rows = as_numpy(slots)[valid]
+    got = {"q": q, "k": k, "k cache": k_cache.reshape(-1, Hk, D)[rows],
+           "v cache": v_cache.reshape(-1, Hk, D)[rows]}
+    exact = {**exact, "k cache": exact["k"][valid], "v cache": as_numpy(v).astype(np.float64)[valid]}
+    return got, exact
+
+
+@pytest.mark.parametrize("case", ["rms_norm_rope", "rms_norm_rope in place", "fp8 out",
+                                  "rope_and_cache", "norm rope_and_cache"])
+def test_fused_repeat_calls_replay_the_launch(torch_cuda, monkeypatch, case):
+    """The second call of a layout is not planned (plan_fused would raise) and computes on its
+    own new tensors; a new layout is planned again."""
+    from cupyrope import execute
+
+    execute.clear()
+    _fused_call(torch_cuda, case)  # plans in full and keeps the recipe
+    planned = []
+    full_path = execute.plan_fused
+    monkeypatch.setattr(execute, "plan_fused",
+                        lambda *args, **kwargs: planned.append(1) or full_path(*args, **kwargs))
+    for _ in range(3):
+        got, exact = _fused_call(torch_cuda, case)
+        for name, value in got.items():
+            value = as_numpy(value.float()).astype(np.float64)
+            bound = np.max(np.abs(exact[name]), axis=-1, keepdims=True) * (
+                2.0 ** -3 if case == "fp8 out" else 2.0 ** -7)
+            assert np.all(np.abs(value - exact[name]) <= bound), (case, name)
+    assert not planned
+    _fused_call(torch_cuda, case, T=23)  # another shape: planned again
+    assert planned
+
+
+def test_fused_repeat_call_still_refuses_a_cache_over_q(torch_cuda):
+    """A repeat call whose k cache now shares q's memory (same shapes, strides and alignment as
+    the cached call) goes to the full path, which refuses it before writing anything."""
+    torch = torch_cuda
+    T, H, D = 16, 2, 64
+    cache = cr.cos_sin_cache(256, D, like=torch.empty(1, device="cuda"))
+    positions = torch.arange(T, device="cuda")
+    slots = torch.arange(T, device="cuda")
+    v = torch.randn(T, H, D, device="cuda")
+    for overlap in (False, True):
+        buffer = torch.randn(3 * T * H * D, device="cuda")
+        q = buffer[:T * H * D].view(T, H, D)
+        k = torch.randn(T, H, D, device="cuda")
+        start = T * H * D // 2 if overlap else T * H * D  # half over q, or right after it
+        k_cache = buffer[start:start + T * H * D].view(1, T, H, D)
+        v_cache = torch.zeros(1, T, H, D, device="cuda")
+        if overlap:
+            before = buffer.clone()
+            with pytest.raises(ValueError, match="k_cache"):
+                cr.rope_and_cache(q, k, v, positions, k_cache, v_cache, slots,
+                                  cos_sin_cache=cache)
+            assert torch.equal(buffer, before) and not v_cache.any()
+        else:
+            cr.rope_and_cache(q, k, v, positions, k_cache, v_cache, slots, cos_sin_cache=cache)
