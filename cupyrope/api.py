@@ -30,7 +30,8 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
                scaling: Mapping[str, Any] | None = None, interleaved: bool = False,
                rotary_dim: int | None = None, inverse: bool = False, inplace: bool = False,
                validate: bool = False, seq_len: int | None = None, out_dtype: Any = None,
-               q_scale: Any = None, k_scale: Any = None) -> Array | tuple[Array, Array]:
+               q_scale: Any = None, k_scale: Any = None,
+               out: Array | tuple[Array, Array] | None = None) -> Array | tuple[Array, Array]:
     """Rotate q (and k) by Rotary Position Embedding angles, in one kernel launch.
 
     Parameters
@@ -80,6 +81,11 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
         CuPy, which has no fp8 dtype, gets the bits as uint8. Needs compute capability 8.9+.
     q_scale, k_scale : float or one-element float32 array, optional
         The fp8 scales (vLLM convention: stored = value / scale); default 1.
+    out : array, or (array, array) when k is given, optional
+        Preallocated outputs (CUDA graphs, buffers reused across steps): q_out (and k_out) of
+        q's (k's) array type, shape, dtype and device, any strides with a unit last dim, sharing
+        no element with any argument. The results are written there and returned. Not with
+        ``inplace=True``, fp8 outputs, JAX arrays or tensors that require grad.
 
     Returns
     -------
@@ -104,6 +110,9 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
     True
     """
     if out_dtype is not None or q_scale is not None or k_scale is not None:
+        if out is not None:
+            raise ValueError("apply_rope: out= is not supported with fp8 outputs (out_dtype, "
+                             "q_scale, k_scale): use the returned arrays")
         return execute.run_fused(
             "apply_rope", q, k, positions,
             rope=_rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
@@ -114,11 +123,12 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
         return _torch_ops().apply_rope(
             q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
             scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
-            inplace=inplace, validate=validate, seq_len=seq_len)
+            inplace=inplace, validate=validate, seq_len=seq_len,
+            **({} if out is None else {"out": out}))
     return execute.run(q, k, positions, cos_sin_cache, cos, sin, theta=theta, scaling=scaling,
                        interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
                        inplace=inplace, validate=validate, seq_len=seq_len,
-                       router=_framework_route)
+                       router=_framework_route, out=out)
 
 
 def _compiling_before_torch() -> bool:

@@ -16,24 +16,29 @@ from .arrays import ArrayInfo, describe, empty_like_caller, finish, host_view, m
 from .fusion import plan_fused
 from .numpy_path import fused_on_host, rotate_on_host
 from .overlap import byte_span
-from .plan import RopePlan, check_values, plan_rope
+from .plan import RopePlan, check_values, plan_outputs, plan_rope
 from .recipes import (FUSED_OPERANDS, call_key, fused_call_key, guard_in_place, guard_written,
                       recipes, replay, replay_fused)
 
 
 def run(q, k, positions, cos_sin_cache, cos, sin, *, theta, scaling, interleaved, rotary_dim,
-        inverse, inplace, validate, seq_len, router=None):
+        inverse, inplace, validate, seq_len, router=None, out=None):
     """``apply_rope`` on arrays: the repeat-call path, then (if ``router`` sends the call nowhere
     else) the full one. ``router(q, k, positions, cos_sin_cache, cos, sin)`` returns the module
-    whose ``apply_rope`` must take the call instead (autograd, tracing), or None."""
+    whose ``apply_rope`` must take the call instead (autograd, tracing), or None. ``out``: the
+    arrays to write the results into (q_out, or (q_out, k_out))."""
+    if out is not None and inplace is True:
+        raise ValueError("apply_rope: pass inplace=True (write into q and k) or out= (write into "
+                         "other arrays), not both")
+    outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
     key = None
     if not validate:
         key = call_key(q, k, positions, cos_sin_cache, cos, sin,
-                       (theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len))
+                       (theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len), outs)
         if key is not None:
             recipe = recipes.get(key[0])
             if recipe is not None:
-                result = replay(recipe, q, k, key[1], inplace)
+                result = replay(recipe, q, k, key[1], inplace, outs)
                 if result is not None:
                     return result
 
@@ -43,27 +48,39 @@ def run(q, k, positions, cos_sin_cache, cos, sin, *, theta, scaling, interleaved
             return route.apply_rope(
                 q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
                 scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
-                inplace=inplace, validate=validate, seq_len=seq_len)
+                inplace=inplace, validate=validate, seq_len=seq_len,
+                **({} if out is None else {"out": out}))
 
     plan = plan_rope(q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
                      scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim,
                      inverse=inverse, inplace=inplace, seq_len=seq_len)
+    given = None if out is None else plan_outputs(plan, out)
     if validate:
         check_values(plan)
 
-    inputs, natives, outputs = _outputs(plan)
+    if given is None:
+        inputs, natives, outputs = _outputs(plan)
+    else:
+        inputs, natives, outputs = None, [info.obj for info in given], given
     recipe = rotate(plan, outputs)
-    if plan.inplace:
+    if plan.inplace or given is not None:
         mark_written(*natives)
     if recipe is not None and key is not None:
         recipe.torch = plan.q.kind == "torch"
+        operands = [plan.q, plan.k, plan.positions, plan.cache, plan.cos, plan.sin]
         if plan.inplace:
-            operands = (plan.q, plan.k, plan.positions, plan.cache, plan.cos, plan.sin)
             guard_in_place(recipe, [None if info is None else byte_span(info) for info in operands],
                            key[1])
+        elif given is not None:
+            operands += given + [None] * (2 - len(given))
+            guard_written(recipe, [None if info is None else byte_span(info) for info in operands],
+                          key[1], (6, 7))
         recipes.put(key[0], recipe)
 
-    results = natives if plan.inplace else [finish(info, out) for info, out in zip(inputs, natives)]
+    if plan.inplace or given is not None:
+        results = natives
+    else:
+        results = [finish(info, x) for info, x in zip(inputs, natives)]
     return results[0] if plan.k is None else (results[0], results[1])
 
 

@@ -125,7 +125,7 @@ class _Fused(NamedTuple):
 
 def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=None,
                theta=10000.0, scaling=None, interleaved=False, rotary_dim=None, inverse=False,
-               inplace=False, validate=False, seq_len=None):
+               inplace=False, validate=False, seq_len=None, out=None):
     """:func:`cupyrope.apply_rope` for JAX under transformations (grad, jit, vmap).
 
     Same arguments, results and errors as :func:`cupyrope.apply_rope`; array arguments are JAX
@@ -133,6 +133,9 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     Options other than arrays (``theta``, ``scaling``, ``rotary_dim`` ...) must be concrete Python
     values.
     """
+    if out is not None:
+        raise TypeError("apply_rope: out= writes into its arrays and JAX arrays are immutable; "
+                        "use the returned arrays instead")
     arrays = [_as_jax(x, name) for x, name in zip((q, k, positions, cos_sin_cache, cos, sin),
                                                    _ARGUMENTS)]
     static = _Static(_number(theta, "theta"), _hashable_scaling(scaling), interleaved,

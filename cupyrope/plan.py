@@ -233,6 +233,55 @@ def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=No
     return plan
 
 
+def plan_outputs(plan: RopePlan, out) -> list[ArrayInfo]:
+    """The ``out=`` arrays of a call, checked: q_out (and k_out when k is given), each of its
+    input's array type, shape, dtype and device, unit stride in the last dim, writable, with no
+    aliased elements, sharing no element with an operand or with each other. Returns their
+    descriptions (what the launch writes)."""
+    names = ("q_out", "k_out")[:1 if plan.k is None else 2]
+    if plan.k is None and not isinstance(out, (tuple, list)):
+        out = (out,)
+    if not isinstance(out, (tuple, list)) or len(out) != len(names):
+        raise TypeError(f"apply_rope: out must be {'q_out' if plan.k is None else '(q_out, k_out)'}"
+                        f" for a call {'without' if plan.k is None else 'with'} k, got "
+                        f"{type(out).__name__}{'' if not isinstance(out, (tuple, list)) else f' of {len(out)}'}")
+    infos = []
+    for name, x, like in zip(names, out, (plan.q, plan.k)):
+        info = describe(x, name)
+        if info.kind != like.kind:
+            raise TypeError(f"apply_rope: {name} must be a {like.kind} array like "
+                            f"{name[0]}, got a {info.kind} array")
+        if info.kind == "jax" or not info.writable:
+            raise TypeError(f"apply_rope: out= writes into its arrays and {name} is "
+                            f"{'an immutable JAX array' if info.kind == 'jax' else 'read-only'}; "
+                            "use the returned arrays instead")
+        if (info.shape, info.dtype, info.device) != (like.shape, like.dtype, like.device):
+            raise ValueError(
+                f"apply_rope: {name} must have {name[0]}'s shape, dtype and device ("
+                f"{like.shape}, {like.dtype}, {like.where()}), got ({info.shape}, {info.dtype}, "
+                f"{info.where()})")
+        _check_rotated(info, name)  # the last dim's unit stride
+        refusal = in_place_refusal(info)
+        if refusal is not None:
+            raise RuntimeError(f"apply_rope: {name} {refusal}")
+        if info.size > 0 and any(stride == 0 and size > 1
+                                 for size, stride in zip(info.shape, info.strides)):
+            raise ValueError(f"apply_rope: {name} has a zero stride (shape {info.shape}, strides "
+                             f"{info.strides}), so its elements alias each other")
+        if info.on_gpu and info.ptr % ITEMSIZE[info.dtype]:
+            raise ValueError(f"apply_rope: {name}'s data pointer {info.ptr:#x} is not a multiple of "
+                             f"its element size ({ITEMSIZE[info.dtype]} bytes)")
+        infos.append(info)
+    operands = operands_of(plan) + list(zip(names, infos))
+    for written, info in zip(names, infos):
+        for other, other_info in operands:
+            if other != written and shares_memory(info, other_info):
+                raise ValueError(f"apply_rope: {written} shares memory with {other}; out= arrays "
+                                 "must not overlap any argument (use inplace=True to write into q "
+                                 "and k)")
+    return infos
+
+
 def operands_of(plan: RopePlan) -> list[tuple[str, ArrayInfo]]:
     named = (("q", plan.q), ("k", plan.k), ("positions", plan.positions),
              ("cos_sin_cache", plan.cache), ("cos", plan.cos), ("sin", plan.sin))

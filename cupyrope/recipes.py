@@ -129,17 +129,23 @@ class RecipeCache:
 recipes = RecipeCache()
 
 
-def call_key(q, k, positions, cos_sin_cache, cos, sin, options):
+def call_key(q, k, positions, cos_sin_cache, cos, sin, options, outs=None):
     """(hashable key, data pointers) for a call on CUDA torch tensors / CuPy arrays, else None.
 
     ``options`` is ``(theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len)`` as the
     caller gave them. The key holds each operand's exact array type and each option's exact type
     (``rotary_dim=32.0`` is not ``rotary_dim=32``), so a repeat call is accepted exactly when the
     full path accepted the same call. A call whose key cannot be formed (another array type, an
-    unhashable option) takes the full path.
+    unhashable option) takes the full path. ``outs``: the ``out=`` arrays, keyed and pointed at
+    like the operands (after them).
     """
     metas, pointers = [], []
-    for x in (q, k, positions, cos_sin_cache, cos, sin):
+    arrays = (q, k, positions, cos_sin_cache, cos, sin)
+    if outs is not None:
+        if len(outs) not in (1, 2):
+            return None  # the full path says what out must be
+        arrays += tuple(outs) + (None,) * (2 - len(outs))
+    for x in arrays:
         if x is None:
             metas.append(None)
             pointers.append(0)
@@ -155,7 +161,8 @@ def call_key(q, k, positions, cos_sin_cache, cos, sin, options):
         return None
     try:
         key = (tuple(metas), type(theta), theta, None if scaling is None else exact_key(scaling),
-               interleaved, type(rotary_dim), rotary_dim, inverse, inplace, type(seq_len), seq_len)
+               interleaved, type(rotary_dim), rotary_dim, inverse, inplace, type(seq_len), seq_len,
+               None if outs is None else len(outs))
         hash(key)
     except TypeError:  # an unhashable option (e.g. theta given as an array): full path
         return None
@@ -199,9 +206,20 @@ def _meets_as_checked(recipe: LaunchRecipe, pointers) -> bool:
     return True
 
 
-def replay(recipe: LaunchRecipe, q, k, pointers, inplace: bool):
-    """Run a cached recipe on new arrays; None when the full path must decide instead."""
-    q_ptr, k_ptr, positions_ptr, cache_ptr, cos_ptr, sin_ptr = pointers
+def replay(recipe: LaunchRecipe, q, k, pointers, inplace: bool, outs=None):
+    """Run a cached recipe on new arrays (into ``outs``, the ``out=`` arrays, when given); None
+    when the full path must decide instead."""
+    q_ptr, k_ptr, positions_ptr, cache_ptr, cos_ptr, sin_ptr = pointers[:6]
+    if outs is not None:
+        if recipe.in_place_checks and not _meets_as_checked(recipe, pointers):
+            return None
+        if recipe.torch and not inference_mode_enabled() and any(x.is_inference() for x in outs):
+            return None  # torch refuses these writes: the full path raises its error
+        recipe.launch(q, q_ptr, k_ptr, pointers[6], pointers[7], positions_ptr,
+                      cache_ptr or cos_ptr, sin_ptr)
+        if recipe.torch:
+            bump_versions(tuple(outs))
+        return outs[0] if k is None else (outs[0], outs[1])
     if inplace:
         if recipe.in_place_checks and not _meets_as_checked(recipe, pointers):
             return None

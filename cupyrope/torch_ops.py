@@ -189,7 +189,7 @@ def _scale_from_args(named: dict, name: str):
 
 def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=None,
                theta=10000.0, scaling=None, interleaved=False, rotary_dim=None, inverse=False,
-               inplace=False, validate=False, seq_len=None):
+               inplace=False, validate=False, seq_len=None, out=None):
     """:func:`cupyrope.apply_rope` through the custom ops (differentiable and traceable).
 
     Same arguments, results and errors as :func:`cupyrope.apply_rope`, for torch tensors (CUDA or
@@ -204,6 +204,8 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     inplace = check_bool(inplace, "inplace")
     tables = tuple(rotation[name] for name in _TABLE_ARGS)
     options = (*(rotation[name] for name in _OPTION_ARGS), check_bool(validate, "validate"))
+    if out is not None:
+        return _rotate_into_out(q, k, tables, options, inplace, out)
 
     if not inplace:
         q_out, k_out = torch.ops.cupyrope.apply_rope(q, k, *tables, *options)
@@ -230,6 +232,36 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     else:
         torch.ops.cupyrope.apply_rope_(q, k, *tables, *options)
     return q if k is None else (q, k)
+
+
+def _rotate_into_out(q, k, tables, options, inplace, out):
+    """``out=`` through the custom op: refused under autograd (as torch refuses ``out=`` for
+    differentiable arguments); traced, the functional op and a copy into the given tensors, which
+    torch.compile records as writes to them. Shapes, dtypes and devices are checked first: a
+    copy would broadcast and convert silently."""
+    if inplace:
+        raise ValueError("apply_rope: pass inplace=True (write into q and k) or out= (write into "
+                         "other arrays), not both")
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    inputs = (q,) if k is None else (q, k)
+    if len(outs) != len(inputs):
+        raise TypeError(f"apply_rope: out must be {'q_out' if k is None else '(q_out, k_out)'} "
+                        f"for a call {'without' if k is None else 'with'} k, got {len(outs)} arrays")
+    for name, x, like in zip(("q_out", "k_out"), outs, inputs):
+        _check_tensor(x, name)
+        if (x.shape, x.dtype, x.device) != (like.shape, like.dtype, like.device):
+            raise ValueError(f"apply_rope: {name} must have {name[0]}'s shape, dtype and device "
+                             f"({tuple(like.shape)}, {like.dtype}, {like.device}), got "
+                             f"({tuple(x.shape)}, {x.dtype}, {x.device})")
+    if torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (*inputs, *tables, *outs)):
+        raise RuntimeError("apply_rope: out= arguments do not support automatic differentiation "
+                           "(as for torch's own ops), but an argument requires grad: call it "
+                           "without out=, or under torch.no_grad()")
+    q_out, k_out = torch.ops.cupyrope.apply_rope(q, k, *tables, *options)
+    for given, result in zip(outs, (q_out, k_out)):
+        given.copy_(result)
+    return outs[0] if k is None else (outs[0], outs[1])
 
 
 def _copy_back(q, k, q_out, k_out):
