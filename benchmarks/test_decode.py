@@ -17,7 +17,8 @@ import pytest
 from cupyrope import bench as bm
 
 DECODE_IMPLS = (
-    "copy", "cupyrope-cache", "cupyrope-cache-inplace", "cupyrope-computed", "cupyrope-tables",
+    "copy", "cupyrope-cache", "cupyrope-cache-inplace", "cupyrope-cache-out", "cupyrope-computed",
+    "cupyrope-tables",
 ) + bm.PEER_IMPLS
 
 CASES = [pytest.param(tokens, impl, id=f"T{tokens}-{impl}")

@@ -128,3 +128,19 @@ def test_host_time_is_a_loop_of_n_calls_with_gc_and_threads_as_outside(monkeypat
     assert us > 0
     assert len(seen) >= 10 + 5 * 300
     assert set(seen) == {(gc.isenabled(), threads)}
+
+
+def test_out_workload_writes_its_preallocated_outputs():
+    """``cupyrope-cache-out`` (decode and host benchmarks): apply_rope(out=...) into one output
+    pair per input set, the values of the out-of-place call."""
+    torch = pytest.importorskip("torch")
+    from cupyrope.bench import workloads
+
+    data = workloads.RopeData(workloads.RopeShape(tokens=3, max_position=64), device="cpu")
+    work = workloads.make_workload("cupyrope-cache-out", data)
+    plain = workloads.make_workload("cupyrope-cache", data)
+    for args, plain_args in zip(work.arg_sets, plain.arg_sets):
+        q_out, k_out = work.fn(*args)
+        assert q_out is args[4] and k_out is args[5]
+        expected = plain.fn(*plain_args)
+        assert torch.equal(q_out, expected[0]) and torch.equal(k_out, expected[1])

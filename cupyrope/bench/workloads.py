@@ -39,7 +39,7 @@ CHECK_TOLERANCE = {"bfloat16": 0.125, "float16": 0.02, "float32": 2e-3}
 
 # Every implementation, by key. "copy" is the SM copy of the bytes of q + k.
 CUPYROPE_IMPLS = (
-    "cupyrope-cache", "cupyrope-cache-inplace",
+    "cupyrope-cache", "cupyrope-cache-inplace", "cupyrope-cache-out",
     "cupyrope-computed", "cupyrope-computed-inplace",
     "cupyrope-tables", "cupyrope-tables-inplace",
 )
@@ -218,7 +218,13 @@ def make_workload(impl: str, data: RopeData) -> Workload:
         parts = impl.split("-")
         source, inplace = parts[1], parts[-1] == "inplace"
         options = dict(interleaved=s.interleaved, inplace=inplace)
-        if source == "cache":
+        if source == "cache" and parts[-1] == "out":  # preallocated outputs, one pair per set
+            def fn(q, k, positions, cache, q_out, k_out):
+                return cr.apply_rope(q, k, positions, cos_sin_cache=cache,
+                                     interleaved=s.interleaved, out=(q_out, k_out))
+            sets = [(q, k, p, data.cache, torch.empty_like(q), torch.empty_like(k))
+                    for q, k, p in q_k_pos]
+        elif source == "cache":
             def fn(q, k, positions, cache):
                 return cr.apply_rope(q, k, positions, cos_sin_cache=cache, **options)
             sets = [(q, k, p, data.cache) for q, k, p in q_k_pos]
