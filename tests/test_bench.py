@@ -21,14 +21,15 @@ def test_help_works_without_a_gpu():
     result = subprocess.run([sys.executable, "-m", "cupyrope.bench", "--help"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    for option in ("--tokens", "--impls", "--repeats", "--no-check", "--out"):
+    for option in ("--tokens", "--impls", "--repeats", "--no-check", "--out", "--fused"):
         assert option in result.stdout
     assert "cupyrope-bench" in result.stdout  # the default output folder
 
 
-def test_cli_without_a_gpu_says_so_in_one_sentence(monkeypatch, capsys):
+@pytest.mark.parametrize("argv", [["--tokens", "1"], ["--fused", "--tokens", "16"]])
+def test_cli_without_a_gpu_says_so_in_one_sentence(monkeypatch, capsys, argv):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cli.main(["--tokens", "1"]) == 2
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and err.count("\n") == 1 and "Traceback" not in err
 
@@ -144,3 +145,29 @@ def test_out_workload_writes_its_preallocated_outputs():
         assert q_out is args[4] and k_out is args[5]
         expected = plain.fn(*plain_args)
         assert torch.equal(q_out, expected[0]) and torch.equal(k_out, expected[1])
+
+
+@pytest.mark.parametrize("op", ["rms_norm_rope", "rope_and_cache", "fp8 out"])
+def test_fused_workloads_agree_with_the_unfused_sequences(op):
+    """The fused-op benchmark's workloads (cupyrope.bench.fused), on the host: the fused call and
+    the unfused eager sequence give the same numbers (bf16 rounding apart), and the paged caches
+    receive the same rows."""
+    from cupyrope.bench import fused
+
+    data = fused.FusedData(16, device="cpu")
+    results = {}
+    for impl in ("cupyrope-fused", "unfused-eager"):
+        work = fused.make_fused_workload(op, impl, data)
+        data.k_cache.zero_()
+        data.v_cache.zero_()
+        args = work.arg_sets[0]
+        if op == "rope_and_cache":  # the fused op rotates in place: work on copies
+            args = (args[0].clone(), args[1].clone(), *args[2:])
+        out = work.fn(*args)
+        results[impl] = [x.float() for x in out] + (
+            [data.k_cache.float().clone(), data.v_cache.float().clone()]
+            if op == "rope_and_cache" else [])
+    scale = 2.0 ** -3 if op == "fp8 out" else 2.0 ** -7  # one rounding of fp8 / bf16, relative
+    for got, want in zip(results["cupyrope-fused"], results["unfused-eager"]):
+        assert torch.all((got - want).abs() <= scale * want.abs().amax(-1, keepdim=True) + 1e-6)
+    assert work.bytes_moved == data.bytes_moved(op) > 0

@@ -1,5 +1,6 @@
 """The command line of the reference sweep: ``python -m cupyrope bench`` (or
-``python -m cupyrope.bench``) prints the table and writes it with JSON and a bandwidth plot."""
+``python -m cupyrope.bench``) prints the table and writes it with JSON and a bandwidth plot;
+``--fused`` runs the fused ops against the unfused sequences instead (:mod:`.fused`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from typing import Sequence
 
 from .clocks import device_name, require_cuda
+from .fused import FUSED_TOKENS, format_fused_table, fused_sweep, plot_fused
 from .sweep import environment, format_table, plot, reference_sweep
 from .workloads import ALL_IMPLS, REFERENCE_TOKENS
 
@@ -30,7 +32,13 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cupyrope.b
         "Reference sweep (bf16 q [T,32,128], k [T,8,128], fp32 cache, NeoX): cupyrope against an "
         "SM copy of the same bytes and the peers installed; prints the table and writes it with a "
         "bandwidth plot."))
-    parser.add_argument("--tokens", type=_positive_int, nargs="+", default=list(REFERENCE_TOKENS))
+    parser.add_argument("--tokens", type=_positive_int, nargs="+", default=None,
+                        help="values of T (default: " + " ".join(map(str, REFERENCE_TOKENS))
+                        + "; with --fused: " + " ".join(map(str, FUSED_TOKENS)) + ")")
+    parser.add_argument("--fused", action="store_true",
+                        help="the fused ops (rms_norm_rope, rope_and_cache, fp8 out) against the "
+                        "unfused sequences, eager and torch.compile, and an SM copy of their bytes; "
+                        "writes fused_sweep.{md,json,png}")
     impls = [i for i in ALL_IMPLS if i != "copy"]
     parser.add_argument("--impls", nargs="+", default=None, choices=impls, metavar="IMPL",
                         help="implementations besides the SM copy, among " + ", ".join(impls)
@@ -47,19 +55,32 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cupyrope.b
         return 2
 
     failures: list[str] = []
-    rows = reference_sweep(args.tokens, impls=args.impls, repeats=args.repeats, check=not args.no_check,
+    if args.fused:
+        rows = fused_sweep(args.tokens or list(FUSED_TOKENS), repeats=args.repeats,
                            failures=failures)
+        name = device_name()
+        return _report(args.out, "fused_sweep", format_fused_table(rows, name), rows,
+                       lambda path: plot_fused(rows, path, gpu_name=name), failures)
+    rows = reference_sweep(args.tokens or list(REFERENCE_TOKENS), impls=args.impls,
+                           repeats=args.repeats, check=not args.no_check, failures=failures)
     name = device_name()
-    table = format_table(rows, name)
+    return _report(args.out, "reference_sweep", format_table(rows, name), rows,
+                   lambda path: plot(rows, path, gpu_name=name), failures)
+
+
+def _report(out: str, stem: str, table: str, rows, draw, failures: list[str]) -> int:
+    """Print the table; write ``stem``.md / .json / .png into ``out`` (when given); 1 when a
+    cupyrope or copy case failed, else 0."""
     print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "reference_sweep.md"), "w") as f:
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{stem}.md"), "w") as f:
             f.write(table + "\n")
-        with open(os.path.join(args.out, "reference_sweep.json"), "w") as f:
-            json.dump({"environment": environment(), "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+        with open(os.path.join(out, f"{stem}.json"), "w") as f:
+            json.dump({"environment": environment(), "rows": [dataclasses.asdict(r) for r in rows]},
+                      f, indent=1)
         try:
-            print("plot:", plot(rows, os.path.join(args.out, "reference_sweep.png"), gpu_name=name))
+            print("plot:", draw(os.path.join(out, f"{stem}.png")))
         except ImportError as exc:
             print(f"no plot: {exc}", file=sys.stderr)
     if failures:

@@ -1,0 +1,279 @@
+"""The fused serving ops against the unfused sequences a user writes today, and an SM copy of the
+bytes each fused op must move: the data and workloads of ``benchmarks/test_fused.py`` and of
+``python -m cupyrope bench --fused``.
+
+Reference shape (bf16 q ``[T, 32, 128]``, k and v ``[T, 8, 128]``, int64 positions in
+[0, 131072), fp32 cache, NeoX), norm weights bf16, paged KV caches bf16 ``[T / 16 + 8, 16, 8,
+128]`` (NHD, block_size 16, blocks shuffled). Per op:
+
+- ``rms_norm_rope``: ``cupyrope-fused`` (:func:`cupyrope.rms_norm_rope`), ``unfused-eager``
+  (``torch.nn.functional.rms_norm`` of q and of k, then ``cupyrope.apply_rope``),
+  ``unfused-compile`` (``torch.compile`` of RMSNorm + the Hugging Face RoPE formulation);
+- ``rope_and_cache``: ``cupyrope-fused`` (:func:`cupyrope.rope_and_cache`), ``unfused-eager``
+  (``apply_rope``, then ``index_copy_`` of k and of v into the caches' slot rows),
+  ``unfused-compile`` (``torch.compile`` of the HF RoPE and the two cache stores);
+- ``fp8 out``: ``cupyrope-fused`` (``apply_rope(out_dtype="float8_e4m3fn")``), ``unfused-eager``
+  (``apply_rope`` then ``(x / scale).clamp(...).to(fp8)``), ``unfused-compile``;
+- ``copy``: one SM copy of every byte the fused op must read and write once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import traceback
+from typing import Sequence
+
+from .clocks import gpu_time_us, input_sets_for, require_cuda
+from .peers import Unavailable, compiled_hf_rope, hf_rope, peer_status
+from .workloads import RopeShape, Workload, sm_copy
+
+HQ, HK, D = 32, 8, 128
+BLOCK_SIZE = 16
+EPS = 1e-6
+FP8_SCALE = 0.5
+FUSED_OPS = ("rms_norm_rope", "rope_and_cache", "fp8 out")
+FUSED_IMPLS = ("copy", "cupyrope-fused", "unfused-eager", "unfused-compile")
+FUSED_TOKENS = (4096, 16384, 65536)
+
+
+class FusedData:
+    """Input sets of one T: q, k, v, positions and slot mappings per set; one cache table, one pair
+    of norm weights, one pair of paged caches (every set writes other slots of them).
+    ``device="cpu"`` builds the same data on the host (to check the plumbing without a GPU)."""
+
+    def __init__(self, tokens: int, num_sets: int | None = None, *, device: str = "cuda"):
+        import torch
+
+        import cupyrope as cr
+
+        self.tokens = tokens
+        self.device = device
+        self.shape = RopeShape(tokens=tokens)
+        per_set = 2 * tokens * (HQ + 2 * HK) * D * 2  # q, k, v read and written once, bf16
+        n = num_sets or (input_sets_for(per_set) if device != "cpu" else 2)
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def randn(*shape):
+            return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g)
+
+        self.q = [randn(tokens, HQ, D) for _ in range(n)]
+        self.k = [randn(tokens, HK, D) for _ in range(n)]
+        self.v = [randn(tokens, HK, D) for _ in range(n)]
+        self.positions = [torch.randint(0, 131072, (tokens,), device=device, generator=g)
+                          for _ in range(n)]
+        self.cache = cr.cos_sin_cache(131072, D, dtype="float32", like=self.q[0])
+        self.q_weight = torch.rand(D, device=device, generator=g).to(torch.bfloat16) + 0.5
+        self.k_weight = torch.rand(D, device=device, generator=g).to(torch.bfloat16) + 0.5
+        num_blocks = -(-tokens // BLOCK_SIZE) + 8
+        self.k_cache = torch.zeros(num_blocks, BLOCK_SIZE, HK, D, device=device,
+                                   dtype=torch.bfloat16)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        rows = torch.arange(BLOCK_SIZE, device=device)
+        self.slots = [(torch.randperm(num_blocks, device=device, generator=g)[:, None] * BLOCK_SIZE
+                       + rows).flatten()[:tokens].contiguous() for _ in range(n)]
+
+    def bytes_moved(self, op: str) -> int:
+        """Every byte the fused op must read and write once (positions and cos/sin rows too)."""
+        qk = self.tokens * (HQ + HK) * D * 2
+        angles = self.tokens * (8 + D * 4)  # positions and one fp32 cache row per token
+        if op == "rms_norm_rope":
+            return 2 * qk + angles
+        if op == "fp8 out":
+            return qk + qk // 2 + angles
+        kv = self.tokens * HK * D * 2
+        return 2 * qk + kv + 2 * kv + angles + self.tokens * 8  # + v, k/v cache rows, slots
+
+    def arg_sets(self, op: str) -> list[tuple]:
+        """The arguments of each set for ``op``'s workloads."""
+        sets = []
+        for i, (q, k, positions) in enumerate(zip(self.q, self.k, self.positions)):
+            if op == "rms_norm_rope":
+                sets.append((q, k, positions, self.cache, self.q_weight, self.k_weight))
+            elif op == "fp8 out":
+                sets.append((q, k, positions, self.cache))
+            else:
+                sets.append((q, k, self.v[i], positions, self.cache, self.slots[i],
+                             self.k_cache, self.v_cache))
+        return sets
+
+
+def _rms_norm(x, weight):
+    import torch
+
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, EPS)
+
+
+def _quantize(x):
+    import torch
+
+    return (x.float() / FP8_SCALE).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def unfused(op: str, rope):
+    """The unfused sequence of ``op`` with ``rope(q, k, positions, cache) -> (q, k)``."""
+
+    if op == "rms_norm_rope":
+        def norm_rope(q, k, positions, cache, qw, kw):
+            return rope(_rms_norm(q, qw), _rms_norm(k, kw), positions, cache)
+        return norm_rope
+    if op == "fp8 out":
+        def rope_fp8(q, k, positions, cache):
+            q_out, k_out = rope(q, k, positions, cache)
+            return _quantize(q_out), _quantize(k_out)
+        return rope_fp8
+
+    def rope_cache(q, k, v, positions, cache, slots, k_cache, v_cache):
+        q_out, k_out = rope(q, k, positions, cache)
+        k_cache.view(-1, HK, D).index_copy_(0, slots, k_out)
+        v_cache.view(-1, HK, D).index_copy_(0, slots, v)
+        return q_out, k_out
+    return rope_cache
+
+
+def _cupyrope_rope(q, k, positions, cache):
+    import cupyrope as cr
+
+    return cr.apply_rope(q, k, positions, cos_sin_cache=cache)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(op: str):
+    import torch
+
+    compiled_hf_rope()  # raises dynamo's recompile limit for the many shapes benchmarked
+    return torch.compile(unfused(op, hf_rope))  # dynamic after the second T: two compiles
+
+
+def fused(op: str, inplace: bool = False):
+    """The fused call of ``op``, taking the arguments of :meth:`FusedData.arg_sets`."""
+    import cupyrope as cr
+
+    if op == "rms_norm_rope":
+        def norm_rope(q, k, positions, cache, qw, kw):
+            return cr.rms_norm_rope(q, k, qw, kw, positions, eps=EPS, cos_sin_cache=cache,
+                                    inplace=inplace)
+        return norm_rope
+    if op == "fp8 out":
+        def rope_fp8(q, k, positions, cache):
+            return cr.apply_rope(q, k, positions, cos_sin_cache=cache, out_dtype="float8_e4m3fn",
+                                 q_scale=FP8_SCALE, k_scale=FP8_SCALE)
+        return rope_fp8
+
+    def rope_cache(q, k, v, positions, cache, slots, k_cache, v_cache):
+        return cr.rope_and_cache(q, k, v, positions, k_cache, v_cache, slots,
+                                 cos_sin_cache=cache, inplace=inplace)
+    return rope_cache
+
+
+def make_fused_workload(op: str, impl: str, data: FusedData) -> Workload:
+    """The workload ``impl`` (a key of :data:`FUSED_IMPLS`) of ``op`` on ``data``; raises
+    :class:`Unavailable` when the implementation cannot run here."""
+    nbytes = data.bytes_moved(op)
+    if impl == "copy":
+        return sm_copy(nbytes // 2, device=data.device)
+    if impl == "cupyrope-fused":
+        fn = fused(op)
+    elif impl == "unfused-eager":
+        fn = unfused(op, _cupyrope_rope)
+    elif impl == "unfused-compile":
+        reason = peer_status()["torch-compile-hf"]
+        if reason:
+            raise Unavailable(reason)
+        fn = _compiled(op)
+    else:
+        raise ValueError(f"unknown implementation {impl!r}; known: {FUSED_IMPLS}")
+    return Workload(impl, fn, data.arg_sets(op), nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedRow:
+    """One measurement: GPU time per call, GB/s of the op's bytes, % of their SM copy."""
+
+    op: str
+    impl: str
+    tokens: int
+    us: float
+    gbps: float
+    pct_of_copy: float
+
+
+def fused_sweep(tokens: Sequence[int] = FUSED_TOKENS, *, ops: Sequence[str] = FUSED_OPS,
+                impls: Sequence[str] = FUSED_IMPLS, repeats: int = 10,
+                failures: list[str] | None = None) -> list[FusedRow]:
+    """Each fused op over ``tokens`` for its SM copy and ``impls``, GPU time per eager call with
+    inputs rotating so that every call reads DRAM. A cupyrope or copy case that raises goes to
+    ``failures`` (with its traceback); an unfused one that cannot run is left out with a note."""
+    torch = require_cuda()
+    rows: list[FusedRow] = []
+    for t in tokens:
+        data = FusedData(t)
+        for op in ops:
+            copy_us = None
+            for impl in ("copy",) + tuple(i for i in impls if i != "copy"):
+                try:
+                    work = make_fused_workload(op, impl, data)
+                    us = gpu_time_us(work.fn, rotate_inputs=work.arg_sets, repeats=repeats)
+                except Unavailable as exc:
+                    print(f"T={t} {op} {impl}: skipped ({exc})", file=sys.stderr)
+                    continue
+                except Exception as exc:
+                    if impl in ("copy", "cupyrope-fused"):
+                        line = f"T={t} {op} {impl}: FAILED\n{traceback.format_exc()}"
+                        print(line, file=sys.stderr)
+                        if failures is not None:
+                            failures.append(line)
+                    else:
+                        print(f"T={t} {op} {impl}: failed, left out ({type(exc).__name__}: {exc})",
+                              file=sys.stderr)
+                    continue
+                if impl == "copy":
+                    copy_us = us
+                pct = 100.0 * copy_us / us if copy_us else float("nan")
+                rows.append(FusedRow(op, impl, t, us, work.bytes_moved / us / 1e3, pct))
+        del data
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_fused_table(rows: Sequence[FusedRow], gpu_name: str) -> str:
+    """Markdown: one line per (op, T, impl) with µs, GB/s and % of the SM copy of the op's bytes."""
+    from tabulate import tabulate
+
+    header = (f"Fused ops (bf16 q [T,32,128], k and v [T,8,128], fp32 cache, paged bf16 cache "
+              f"block {BLOCK_SIZE}, NeoX) on {gpu_name}")
+    lines = tabulate([[r.op, r.tokens, r.impl, f"{r.us:.2f}", f"{r.gbps:.0f}",
+                       f"{r.pct_of_copy:.1f}"] for r in rows],
+                     headers=["op", "T", "impl", "µs", "GB/s", "% of SM copy"], tablefmt="pipe",
+                     disable_numparse=True)
+    return "\n".join([header, "", lines])
+
+
+def plot_fused(rows: Sequence[FusedRow], path: str, *, gpu_name: str) -> str:
+    """One panel per op: % of an SM copy of the op's bytes against T, one line per
+    implementation (the 90 % target dotted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r.op for r in rows))
+    fig, axes = plt.subplots(1, len(ops), figsize=(4.5 * len(ops), 3.6), sharey=True,
+                             squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for impl in dict.fromkeys(r.impl for r in rows if r.op == op):
+            points = sorted((r.tokens, r.pct_of_copy) for r in rows if r.op == op and r.impl == impl)
+            ax.plot([t for t, _ in points], [p for _, p in points], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(op)
+        ax.set_xlabel("tokens T")
+        ax.axhline(90, color="grey", linestyle=":", linewidth=1)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("% of an SM copy of the op's bytes")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"cupyrope fused ops, bf16 q[T,32,128] k/v[T,8,128], {gpu_name}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
