@@ -12,8 +12,10 @@ class _Fake:
 
 @pytest.fixture(autouse=True)
 def fake_gpu_arrays(monkeypatch):
+    """Fakes are the CUDA arrays; anything else is not (as gpu_array_key says of host arrays)."""
     monkeypatch.setattr(recipes, "gpu_array_key",
-                        lambda x: ((x.shape, x.strides, "bfloat16", 0, 0), 4096 * id(x) % 2**40))
+                        lambda x: ((x.shape, x.strides, "bfloat16", 0, 0), 4096 * id(x) % 2**40)
+                        if isinstance(x, _Fake) else None)
 
 
 def _array(shape, strides):
@@ -58,3 +60,67 @@ def test_in_place_replays_only_where_ranges_meet_as_the_full_path_checked():
     recipes.guard_in_place(recipe, spans, [1000, 1064, 0, 4000, 0, 0])
     assert recipes._meets_as_checked(recipe, [7000, 7064, 0, 9000, 0, 0])
     assert not recipes._meets_as_checked(recipe, [7000, 7032, 0, 9000, 0, 0])
+
+
+def test_out_arrays_are_keyed_and_guarded_like_written_operands():
+    q = _array((4, 2, 64), (128, 64, 1))
+    out = _array((4, 2, 64), (128, 64, 1))
+    strided_out = _array((4, 2, 64), (256, 64, 1))
+    options = (10000.0, None, False, None, False, False, None)
+    plain = recipes.call_key(q, None, None, None, None, None, options)
+    into = recipes.call_key(q, None, None, None, None, None, options, (out,))
+    assert plain[0] != into[0] and len(into[1]) == 8  # six operands, q_out, k_out
+    assert into[0] != recipes.call_key(q, None, None, None, None, None, options, (strided_out,))[0]
+    assert recipes.call_key(q, None, None, None, None, None, options, (out, out, out)) is None
+
+    class Recipe:
+        pass
+
+    recipe = Recipe()
+    spans = [(0, 100), None, None, None, None, None, (0, 100), None]  # q, q_out
+    recipes.guard_written(recipe, spans, [1000, 0, 0, 0, 0, 0, 2000, 0], (6, 7))
+    assert recipes._meets_as_checked(recipe, [5000, 0, 0, 0, 0, 0, 9000, 0])
+    assert not recipes._meets_as_checked(recipe, [5000, 0, 0, 0, 0, 0, 5050, 0])  # out over q
+
+
+def _fused_key(q, k, rope=None, **fusion):
+    rope = {"cos_sin_cache": None, "cos": None, "sin": None, "theta": 10000.0, "scaling": None,
+            "interleaved": False, "rotary_dim": None, "inverse": False, "inplace": False,
+            "seq_len": None, **(rope or {})}
+    fusion = {"norm": True, "q_weight": _array((64,), (1,)), "k_weight": _array((64,), (1,)),
+              "eps": 1e-6, "weight_offset": 0.0, "out_dtype": None, "q_scale": None,
+              "k_scale": None, **fusion}
+    return recipes.fused_call_key("rms_norm_rope", q, k, None, rope, fusion)
+
+
+def test_fused_keys_hold_every_operand_and_option():
+    q, k = _array((4, 2, 64), (128, 64, 1)), _array((4, 1, 64), (64, 64, 1))
+    base = _fused_key(q, k)
+    assert base is not None and len(base[1]) == len(recipes.FUSED_OPERANDS)
+    others = [
+        _fused_key(q, k, eps=1e-5),
+        _fused_key(q, k, weight_offset=0),  # the same value as an int: another type
+        _fused_key(q, k, weight_offset=1.0),
+        _fused_key(q, k, rope={"inplace": True}),
+        _fused_key(q, k, rope={"scaling": {"rope_type": "linear", "factor": 2.0}}),
+        _fused_key(q, k, q_weight=_array((64,), (2,))),  # a strided weight
+        _fused_key(q, k, out_dtype="float8_e4m3fn", q_scale=0.5, k_scale=0.5),
+        _fused_key(q, k, out_dtype="float8_e4m3fn", q_scale=0.25, k_scale=0.5),
+        _fused_key(q, k, out_dtype="float8_e4m3fn", q_scale=_array((), ()), k_scale=0.5),
+    ]
+    keys = [base[0]] + [other[0] for other in others]
+    assert len(set(keys)) == len(keys)
+    assert recipes.fused_call_key("apply_rope", q, k, None, {}, {})[0] != base[0]
+    # A scale array's pointer is patched on a replay; a number is part of the key.
+    scaled = _fused_key(q, k, out_dtype="float8_e4m3fn", q_scale=_array((), ()), k_scale=0.5)
+    assert scaled[1][recipes.FUSED_OPERANDS.index("q_scale")] != 0
+    assert scaled[1][recipes.FUSED_OPERANDS.index("k_scale")] == 0
+
+
+def test_fused_keys_leave_arrays_in_option_places_to_the_full_path():
+    import numpy as np
+
+    q, k = _array((4, 2, 64), (128, 64, 1)), _array((4, 1, 64), (64, 64, 1))
+    assert _fused_key(q, k, eps=np.float32(1e-6)) is None  # an array-like where a number goes
+    assert _fused_key(q, k, q_scale=np.ones(1, np.float32)) is None  # a host array as a scale
+    assert _fused_key(q, k, rope={"theta": [1.0]}) is None  # unhashable
