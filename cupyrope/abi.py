@@ -91,3 +91,16 @@ FUSION_PARAMS_DTYPE = np.dtype(
     + [(name, np.float64) for name in ("eps", "weight_offset", "q_scale_value", "k_scale_value",
                                        "v_scale_value")]
 )
+
+# Field for field the layout of cupyrope::DecodeParams (the decode kernel's compact parameters:
+# the seven data pointers and inv_freq in PARAMS_DTYPE's order and offsets, then 32-bit fields).
+DECODE_PARAMS_DTYPE = np.dtype(
+    [(name, np.uint64) for name in ("q", "k", "q_out", "k_out", "positions", "cos", "sin",
+                                    "inv_freq")]
+    + [(name, np.int32) for name in (
+        "q_token_stride", "k_token_stride", "q_out_token_stride", "k_out_token_stride",
+        "q_head_stride", "k_head_stride", "q_out_head_stride", "k_out_head_stride",
+        "positions_token_stride", "cos_row_stride", "sin_row_stride", "num_q_heads", "num_heads",
+        "max_position", "positions_are_int64")]
+    + [("sin_sign", np.float32), ("attention_factor", np.float64)]
+)

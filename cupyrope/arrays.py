@@ -340,16 +340,16 @@ def on_gpu_buffer(buffer) -> bool:
 # The repeat-call path: metadata keys, pointers and outputs for CUDA torch tensors and CuPy arrays,
 # read with a few attribute lookups (no ArrayInfo, no DLPack).
 
-_GPU_KINDS: dict[type, str] = {}  # array type -> "torch" / "cupy", filled on first sight
+GPU_KINDS: dict[type, str] = {}  # array type -> "torch" / "cupy", filled on first sight
 
 
 def _gpu_kind(x) -> str | None:
-    kind = _GPU_KINDS.get(type(x))
+    kind = GPU_KINDS.get(type(x))
     if kind is None:
         module = _module_of(x)
         if module not in ("torch", "cupy"):
             return None
-        kind = _GPU_KINDS.setdefault(type(x), module)
+        kind = GPU_KINDS.setdefault(type(x), module)
     return kind
 
 
@@ -384,8 +384,23 @@ def in_place_refusal(info: ArrayInfo) -> str | None:
     return None
 
 
+# torch functions a repeat call needs, looked up once (``import torch`` and the attribute chain
+# cost more than the calls themselves).
+_torch_functions: dict = {}
+
+
+def _torch_function(name: str):
+    function = _torch_functions.get(name)
+    if function is None:
+        torch = _torch()
+        function = _torch_functions[name] = {
+            "is_inference_mode_enabled": torch.is_inference_mode_enabled,
+            "increment_version": torch._C._increment_version}[name]
+    return function
+
+
 def inference_mode_enabled() -> bool:
-    return _torch().is_inference_mode_enabled()
+    return _torch_function("is_inference_mode_enabled")()
 
 
 def mark_written(*tensors) -> None:
@@ -399,7 +414,7 @@ def mark_written(*tensors) -> None:
 def bump_versions(tensors: tuple) -> None:
     """:func:`mark_written` for a tuple of torch tensors (the repeat-call path's form). torch's
     own entry takes a sequence: a single tensor would be iterated row by row."""
-    _torch()._C._increment_version(tensors)
+    _torch_function("increment_version")(tensors)
 
 
 def new_gpu_outputs(q, k, dtype: str | None = None):

@@ -42,11 +42,13 @@ class KernelSpec:
     # The lean fused kernel (fused and lean: fused_lean.cuh) is compiled per set of fusions.
     norm: bool = False  # RMSNorm before the rotation
     cache: bool = False  # the k / v cache write
+    decode: bool = False  # rope_decode_kernel: few tokens, one thread per (token, head, chunk)
 
     @property
     def name_expression(self) -> str:
         """The instantiation, which is also this specialisation's key in the compiled module."""
-        kernel = ("rope_fused_lean_kernel" if self.fused and self.lean else
+        kernel = ("rope_decode_kernel" if self.decode else
+                  "rope_fused_lean_kernel" if self.fused and self.lean else
                   "rope_fused_kernel" if self.fused else
                   "rope_lean_kernel" if self.lean else "rope_kernel")
         flags = (self.vector, self.interleaved)
@@ -68,10 +70,12 @@ def _specialisations() -> tuple[KernelSpec, ...]:
             for table_dtype in FLOAT_DTYPES:
                 specs.append(KernelSpec(dtype, table_dtype, vector, interleaved, source, wide))
         specs.append(KernelSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED, wide))
-    # The lean kernels: 16-byte accesses and 32-bit offsets only.
-    specs += [dataclasses.replace(spec, lean=True) for spec in specs
-              if spec.vector and not spec.wide_index]
-    return tuple(specs)
+    # The lean kernels: 16-byte accesses and 32-bit offsets only; the decode kernels take the same
+    # layouts, with table-read angles (launch.decode_kernel_applies).
+    lean = [dataclasses.replace(spec, lean=True) for spec in specs
+            if spec.vector and not spec.wide_index]
+    return tuple(specs + lean + [dataclasses.replace(spec, decode=True) for spec in lean
+                                 if spec.source != AngleSource.COMPUTED])
 
 
 SPECIALISATIONS: tuple[KernelSpec, ...] = _specialisations()
@@ -219,8 +223,9 @@ def warmup(
 ) -> int:
     """Compile chosen specialisations ahead of time; returns how many are ready.
 
-    Each 16-byte specialisation with 32-bit offsets comes twice: the lean kernel that common
-    layouts run and the general one that every other layout runs; both are compiled.
+    Each 16-byte specialisation with 32-bit offsets comes three times (twice for computed
+    angles): the decode kernel that common layouts run with few tokens, the lean kernel that they
+    run otherwise and the general one that every other layout runs; all are compiled.
 
     Parameters
     ----------
@@ -240,7 +245,7 @@ def warmup(
     --------
     >>> import cupyrope as cr
     >>> cr.warmup(dtypes=("bfloat16",), sources=("cache",), interleaved=(False,))  # doctest: +SKIP
-    3
+    4
     """
     wanted_sources = {_as_source(s) for s in sources}
     if isinstance(dtypes, str) or isinstance(table_dtypes, str):

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .abi import (FUSION_PARAMS_DTYPE, MAX_TOKEN_DIMS, PARAMS_DTYPE, THREADS_PER_BLOCK, AngleSource,
-                  StoreFormat, WeightDtype, access_layout)
+from .abi import (DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, MAX_TOKEN_DIMS, PARAMS_DTYPE,
+                  THREADS_PER_BLOCK, AngleSource, StoreFormat, WeightDtype, access_layout)
 from .arrays import ArrayInfo, cupy_module, stream_is_capturing, upload
 from .dtypes import ITEMSIZE
 from .fusion import STORE_FORMATS
@@ -90,6 +90,54 @@ def lean_kernel_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token
             and (plan.source == AngleSource.COMPUTED or table_vector_ok))
 
 
+# The decode kernel (kernels_cu/decode.cuh: one thread per token, head and chunk of pairs) runs
+# launches of the lean kernel's layouts with at most this many tokens, where latency, not
+# bandwidth, decides. H100, graph of 20 calls, bf16 q [T, 32, 128] k [T, 8, 128], cache, us
+# (lean -> decode): T = 1 1.81 -> 1.73, 32 2.14 -> 1.89, 512 3.86 -> 3.77, 1024 5.57 -> 5.26,
+# 2048 13.71 -> 12.86 (docs/perf_log.md); 4096 is within noise, so the limit stays at 2048.
+DECODE_MAX_TOKENS = 2048
+
+
+def decode_kernel_applies(plan: RopePlan, *, lean: bool, copy_pass: bool, pairs: int) -> bool:
+    """Whether the decode kernel runs this launch: a lean launch of few tokens with table-read
+    angles, that copies nothing past rotary_dim, whose chunks of a head fit one block. Computed
+    angles stay on the lean kernel, which computes each pair's angle once per token in shared
+    memory: one float64 reduction per pair and thread costs more (T = 1: 2.55 -> 2.70 us)."""
+    chunks = (plan.rotary_dim // 2) // pairs
+    return (lean and not copy_pass and plan.source != AngleSource.COMPUTED
+            and plan.num_tokens <= DECODE_MAX_TOKENS and chunks <= THREADS_PER_BLOCK)
+
+
+def decode_struct(p: np.ndarray, source: AngleSource) -> np.ndarray:
+    """The decode kernel's DecodeParams from a lean launch's RopeParams (one token dim: the first
+    of each token-stride array; every value fits 32 bits, as the lean kernel's offsets do)."""
+    d = np.zeros((), dtype=DECODE_PARAMS_DTYPE)
+    for name in ("q", "k", "q_out", "k_out", "positions", "cos", "sin", "inv_freq",
+                 "q_head_stride", "k_head_stride", "q_out_head_stride", "k_out_head_stride",
+                 "num_q_heads", "max_position", "positions_are_int64", "sin_sign",
+                 "attention_factor"):
+        d[name] = p[name]
+    for name in ("q_token_stride", "k_token_stride", "q_out_token_stride", "k_out_token_stride",
+                 "positions_token_stride"):
+        d[name] = p[name][0]
+    d["num_heads"] = p["num_q_heads"] + p["num_k_heads"]
+    if source == AngleSource.CACHE_TABLE:
+        d["cos_row_stride"] = d["sin_row_stride"] = p["table_row_stride"]
+    else:
+        d["cos_row_stride"], d["sin_row_stride"] = p["cos_token_stride"][0], p["sin_token_stride"][0]
+    return d
+
+
+def decode_geometry(plan: RopePlan, pairs: int):
+    """(block, grid) of the decode kernel: x the chunks of a head, y the heads of q then k (split
+    evenly over gridDim.y when they do not fit one block), grid x the tokens."""
+    chunks = (plan.rotary_dim // 2) // pairs
+    num_heads = plan.num_q_heads + plan.num_k_heads
+    grid_y = -(-num_heads // (THREADS_PER_BLOCK // chunks))
+    block_y = -(-num_heads // grid_y)  # 40 heads over 2 blocks: 20 + 20, not 32 + 8
+    return (chunks, block_y, 1), (plan.num_tokens, grid_y)
+
+
 # Dynamic shared memory a launch may use without opting in to more (every CUDA GPU).
 MAX_SHARED_ANGLE_BYTES = 48 * 1024
 
@@ -97,7 +145,7 @@ MAX_SHARED_ANGLE_BYTES = 48 * 1024
 def shared_angle_bytes(plan: RopePlan, spec: KernelSpec, block: tuple[int, int, int]) -> int:
     """Shared memory of a launch: the lean computed-angle kernel keeps cos and sin of every pair
     of each of its block's tokens there (computed once per pair, read by every head lane)."""
-    if not (spec.lean and spec.source == AngleSource.COMPUTED):
+    if not (spec.lean and spec.source == AngleSource.COMPUTED) or spec.decode:
         return 0
     compute_itemsize = 8 if plan.q.dtype == "float64" else 4
     return block[2] * (plan.rotary_dim // 2) * 2 * compute_itemsize
@@ -161,7 +209,7 @@ class LaunchSpec:
     the data pointers. Built from a plan without CuPy (see :func:`plan_launch`)."""
 
     kernel: KernelSpec
-    params: np.ndarray  # a PARAMS_DTYPE scalar: the kernel's one by-value argument
+    params: np.ndarray  # a PARAMS_DTYPE (decode kernel: DECODE_PARAMS_DTYPE) scalar
     grid: tuple[int, int]
     block: tuple[int, int, int]
     shared_bytes: int  # dynamic shared memory (lean computed angles)
@@ -278,6 +326,10 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                                table_vector_ok=bool(p["table_vector_ok"]))
     spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
                       wide_index, lean)
+    if decode_kernel_applies(plan, lean=lean, copy_pass=copy_pass, pairs=pairs):
+        block, grid = decode_geometry(plan, pairs)
+        return LaunchSpec(dataclasses.replace(spec, decode=True), decode_struct(p, plan.source),
+                          grid, block, 0, pointers, sin_offset, vector)
     block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec), multiprocessors)
     shared_bytes = shared_angle_bytes(plan, spec, block)
     if shared_bytes > MAX_SHARED_ANGLE_BYTES:  # never at the usual head sizes; general kernel

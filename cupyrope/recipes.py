@@ -15,17 +15,17 @@ import ctypes
 import struct
 import threading
 
-from .abi import FUSION_PARAMS_DTYPE, PARAMS_DTYPE
-from .arrays import (bump_versions, cupy_module, current_stream, gpu_array_key, inference_mode_enabled,
-                     new_gpu_outputs)
+from .abi import DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, PARAMS_DTYPE
+from .arrays import (GPU_KINDS, bump_versions, cupy_module, current_stream, gpu_array_key,
+                     inference_mode_enabled, new_gpu_outputs)
 from .scaling import exact_key
 
-_ParamsWords = ctypes.c_uint64 * (PARAMS_DTYPE.itemsize // 8)
 _ArgumentPointers = ctypes.c_void_p * 1
 # The seven data pointers lead the struct, in this order: one pack_into writes them all.
 _DATA_POINTERS = struct.Struct("<7Q")
-assert [PARAMS_DTYPE.fields[name][1] for name in
-        ("q", "k", "q_out", "k_out", "positions", "cos", "sin")] == list(range(0, 56, 8))
+assert all([dtype.fields[name][1] for name in
+            ("q", "k", "q_out", "k_out", "positions", "cos", "sin")] == list(range(0, 56, 8))
+           for dtype in (PARAMS_DTYPE, DECODE_PARAMS_DTYPE))
 # FusionParams leads with its nine data pointers, in this order: one pack_into writes them all.
 FUSION_POINTERS = ("q_weight", "k_weight", "q_scale", "k_scale", "v_scale", "v", "k_cache",
                    "v_cache", "slot_mapping")
@@ -41,7 +41,7 @@ class LaunchRecipe:
                  "keep_alive", "spec", "torch", "in_place_checks", "out_dtype", "_words",
                  "_fusion_words",
                  "_argv_address",
-                 "_argv", "_lock", "_runtime", "_driver")
+                 "_argv", "_lock", "_runtime", "_driver", "_head")
 
     def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive,
                  shared_bytes=0, spec=None, fusion_params=None):
@@ -59,7 +59,8 @@ class LaunchRecipe:
         self.out_dtype = None  # a fused call's fp8 output dtype (new outputs of a replay)
         # The parameter block is reused: only its pointer fields change between calls, and
         # cuLaunchKernel copies it before returning, so a lock around fill + launch suffices.
-        self._words = _ParamsWords.from_buffer_copy(params.tobytes())
+        # (RopeParams, or the decode kernel's DecodeParams: both lead with the data pointers)
+        self._words = (ctypes.c_uint64 * (params.itemsize // 8)).from_buffer_copy(params.tobytes())
         # cuLaunchKernel takes an array of pointers, one per kernel argument: ours is the struct
         # (and the fused kernel's FusionParams after it).
         if fusion_params is None:
@@ -73,6 +74,8 @@ class LaunchRecipe:
         self._lock = threading.Lock()
         cupy = cupy_module()
         self._runtime, self._driver = cupy.cuda.runtime, cupy.cuda.driver
+        # cuLaunchKernel's arguments before the stream, in its order, gathered once.
+        self._head = (function_ptr, *grid, 1, *block, shared_bytes)
 
     def launch(self, like, q, k, q_out, k_out, positions, cos, sin, fusion=None) -> None:
         """Launch on ``like``'s current stream with these data pointers (0 for absent ones);
@@ -90,8 +93,7 @@ class LaunchRecipe:
                 _DATA_POINTERS.pack_into(self._words, 0, q, k, q_out, k_out, positions, cos, sin)
                 if fusion is not None:
                     _FUSION_DATA_POINTERS.pack_into(self._fusion_words, 0, *fusion)
-                self._driver.launchKernel(self.function_ptr, *self.grid, 1, *self.block,
-                                          self.shared_bytes, stream, self._argv_address, 0)
+                self._driver.launchKernel(*self._head, stream, self._argv_address, 0)
         finally:
             if switched:
                 runtime.setDevice(previous)
@@ -139,22 +141,31 @@ def call_key(q, k, positions, cos_sin_cache, cos, sin, options, outs=None):
     unhashable option) takes the full path. ``outs``: the ``out=`` arrays, keyed and pointed at
     like the operands (after them).
     """
-    metas, pointers = [], []
     arrays = (q, k, positions, cos_sin_cache, cos, sin)
     if outs is not None:
         if len(outs) not in (1, 2):
             return None  # the full path says what out must be
         arrays += tuple(outs) + (None,) * (2 - len(outs))
+    # gpu_array_key, inlined for torch tensors: this loop is most of a repeat call's host time.
+    metas, pointers = [], []
+    kinds = GPU_KINDS  # array type -> "torch" / "cupy", as arrays.gpu_array_key sees it
     for x in arrays:
         if x is None:
             metas.append(None)
             pointers.append(0)
-            continue
-        found = gpu_array_key(x)
-        if found is None:
-            return None
-        metas.append(found[0])
-        pointers.append(found[1])
+        elif kinds.get(type(x)) == "torch":
+            device = x.get_device()
+            if device < 0 or x.requires_grad:
+                return None
+            ptr = x.data_ptr()
+            metas.append((type(x), x.shape, x.stride(), x.dtype, device, ptr & 15))
+            pointers.append(ptr)
+        else:  # CuPy, or a type not seen yet
+            found = gpu_array_key(x)
+            if found is None:
+                return None
+            metas.append(found[0])
+            pointers.append(found[1])
     theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len = options
     # Only exact bools: interleaved=1 must still reach the check that rejects it.
     if not (type(interleaved) is bool and type(inverse) is bool and type(inplace) is bool):

@@ -10,11 +10,13 @@
 //   threadIdx.z  a token, with blocks striding over tokens by gridDim.x.
 // cos/sin for a chunk are loaded (or computed) once per token and reused for every head.
 //
-// Three kernels: rope_lean_kernel for the common case (one token dim after merging, no M-RoPE,
+// Kernels: rope_decode_kernel for few tokens (decode.cuh: one thread per token, head and chunk),
+// rope_lean_kernel for the common case (one token dim after merging, no M-RoPE,
 // 16-byte accesses, 32-bit offsets, vector cos/sin rows: fewer registers and about half the
 // instructions), rope_kernel for every layout, rope_fused_kernel for the fused ops (fused.cuh)
 // and rope_fused_lean_kernel for their common layout (fused_lean.cuh).
 #include "angles.cuh"
+#include "decode.cuh"
 #include "fused.cuh"
 #include "fused_lean.cuh"
 #include "numeric.cuh"
@@ -182,6 +184,15 @@ void rope_lean_kernel(const RopeParams p) {
   } else {
     rope_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, true>(p);
   }
+}
+
+// Few tokens (decided on the host: launch.decode_kernel_applies): the lean kernel's layouts, one
+// thread per (token, head, chunk), nothing copied past rotary_dim. VECTOR and WIDE_INDEX keep the
+// other kernels' template signature (true and false in every instantiation).
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
+__global__ __launch_bounds__(kMaxThreadsPerBlock) void rope_decode_kernel(const DecodeParams p) {
+  static_assert(VECTOR && !WIDE_INDEX, "the decode kernel takes 16-byte accesses, 32-bit offsets");
+  rope_decode_thread<T, TableT, INTERLEAVED, SOURCE>(p);
 }
 
 // The fused ops (fused.cuh): RMSNorm before the rotation, fp8 outputs, the KV-cache write. 3

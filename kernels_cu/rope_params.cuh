@@ -111,4 +111,35 @@ struct FusionParams {
   double q_scale_value, k_scale_value, v_scale_value;
 };
 
+// The one by-value argument of rope_decode_kernel (decode.cuh): what a decode launch reads, in
+// two 64-byte lines of the constant bank. A kernel's first read of each line of its parameters
+// misses the constant cache (hundreds of cycles, serialised in the warp), which at a few tokens
+// costs more than the memory traffic itself: RopeParams spreads what the kernels read over 16
+// lines. The seven data pointers lead in RopeParams' order (the repeat-call path fills both
+// alike); offsets are 32-bit (the decode kernel runs only launches whose offsets all fit).
+// DECODE_PARAMS_DTYPE in abi.py mirrors this layout.
+struct DecodeParams {
+  const void* q;
+  const void* k;
+  void* q_out;
+  void* k_out;
+  const void* positions;  // null: the implicit arange
+  const void* cos;
+  const void* sin;
+  const double* inv_freq;  // computed angles
+
+  int q_token_stride, k_token_stride, q_out_token_stride, k_out_token_stride;
+  int q_head_stride, k_head_stride, q_out_head_stride, k_out_head_stride;
+  int positions_token_stride;
+  // Per-token tables: elements between two tokens' rows of cos, of sin. A cache: between the
+  // rows of two positions (both).
+  int cos_row_stride, sin_row_stride;
+  int num_q_heads, num_heads;  // num_heads: q's and k's
+  int max_position;            // rows of a cache
+  int positions_are_int64;
+  float sin_sign;              // -1 rotates backwards
+
+  double attention_factor;     // computed angles: multiplies cos and sin
+};
+
 }  // namespace cupyrope

@@ -9,6 +9,7 @@ import pytest
 from cupyrope import kernels
 from cupyrope.abi import (
     MAX_TOKEN_DIMS,
+    DECODE_PARAMS_DTYPE,
     PARAMS_DTYPE,
     THREADS_PER_BLOCK,
     AngleSource,
@@ -70,6 +71,20 @@ def _constants_source() -> str:
             f"\"size of {name}\");")
     checks.append(f"static_assert(sizeof(cupyrope::FusionParams) == {FUSION_PARAMS_DTYPE.itemsize}, "
                   "\"FusionParams size\");")
+    # The decode kernel's compact struct: each field's size, and no padding (the sizes add up to
+    # the struct's), so that the fields in declaration order sit at DECODE_PARAMS_DTYPE's offsets.
+    # The repeat-call path writes the data pointers at RopeParams' offsets into either struct.
+    checks.append(f"static_assert(sizeof(cupyrope::DecodeParams) == {DECODE_PARAMS_DTYPE.itemsize}, "
+                  "\"DecodeParams size\");")
+    sizes = []
+    for name in DECODE_PARAMS_DTYPE.names:
+        field = DECODE_PARAMS_DTYPE.fields[name][0]
+        sizes.append(f"sizeof(((cupyrope::DecodeParams*)0)->{name})")
+        checks.append(f"static_assert({sizes[-1]} == {field.itemsize}, \"size of {name}\");")
+        if name in PARAMS_DTYPE.names[:8]:
+            assert PARAMS_DTYPE.fields[name][1] == DECODE_PARAMS_DTYPE.fields[name][1], name
+    checks.append(f"static_assert({' + '.join(sizes)} == sizeof(cupyrope::DecodeParams), "
+                  "\"DecodeParams has padding\");")
     return '#include "rotation.cuh"\n' + "\n".join(checks) + "\n"
 
 

@@ -171,3 +171,18 @@ def test_fused_workloads_agree_with_the_unfused_sequences(op):
     for got, want in zip(results["cupyrope-fused"], results["unfused-eager"]):
         assert torch.all((got - want).abs() <= scale * want.abs().amax(-1, keepdim=True) + 1e-6)
     assert work.bytes_moved == data.bytes_moved(op) > 0
+
+
+def test_decode_and_host_targets_are_the_contracts_ratios():
+    """SPEC §4 as ratios to the copy of the same run: decode <= 1.15x the SM copy at T = 1 and 32,
+    <= 1.05x at 512 (cache, tables), <= 1.3x computed; host <= 1.2x torch.mul in place and with
+    out=, <= 1.5x out of place; no target for the copy or the peers."""
+    ratio = workloads.decode_target_ratio
+    assert [ratio(t, "cupyrope-cache") for t in (1, 32, 512)] == [1.15, 1.15, 1.05]
+    assert [ratio(t, "cupyrope-tables") for t in (1, 32, 512)] == [1.15, 1.15, 1.05]
+    assert ratio(1, "cupyrope-computed") == ratio(512, "cupyrope-computed") == 1.3
+    assert ratio(1, "copy") is None and ratio(1, "liger-inplace") is None
+    host = workloads.host_target_ratio
+    assert host("cupyrope-cache-inplace") == host("cupyrope-cache-out") == 1.2
+    assert host("cupyrope-cache") == host("cupyrope-computed") == 1.5
+    assert host("copy") is None and host("torch-compile-hf") is None

@@ -255,7 +255,12 @@ SOURCES = ("cache", "tables_half", "tables_full", "computed", "computed_linear")
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dtypes_and_angle_sources(rng, dtype, source, interleaved):
+@pytest.mark.parametrize("few_tokens", [True, False], ids=["decode", "lean"])
+def test_dtypes_and_angle_sources(rng, monkeypatch, few_tokens, dtype, source, interleaved):
+    from cupyrope import launch
+
+    # T tokens are "few" (the decode kernel) or not (the lean kernel).
+    monkeypatch.setattr(launch, "DECODE_MAX_TOKENS", T if few_tokens else T - 1)
     q, k = make_qk(rng, dtype)
     positions = random_positions(rng, (T,))
     angles = make_angles(source, q.shape, positions, D, q=q, interleaved=interleaved)
@@ -266,14 +271,18 @@ def test_dtypes_and_angle_sources(rng, dtype, source, interleaved):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("lean", [True, False], ids=["lean", "general"])
-def test_lean_and_general_kernels(rng, monkeypatch, lean, dtype, source, interleaved, inplace):
-    """The common case runs the lean kernel; the general kernel, forced onto the same case, gives
-    results within the same bounds (it is the one every other layout takes)."""
+@pytest.mark.parametrize("kernel", ["decode", "lean", "general"])
+def test_decode_lean_and_general_kernels(rng, monkeypatch, kernel, dtype, source, interleaved,
+                                         inplace):
+    """The common case runs the decode kernel with few tokens and the lean kernel with more; the
+    general kernel, forced onto the same case, gives results within the same bounds (it is the
+    one every other layout takes)."""
     from cupyrope import launch
     from cupyrope.recipes import recipes
 
-    if not lean:
+    # T tokens are "few" for the decode case, and many for the others.
+    monkeypatch.setattr(launch, "DECODE_MAX_TOKENS", T if kernel == "decode" else T - 1)
+    if kernel == "general":
         monkeypatch.setattr(launch, "lean_kernel_applies", lambda *args, **kwargs: False)
     recipes.clear()
     q, k = make_qk(rng, dtype)
@@ -283,7 +292,42 @@ def test_lean_and_general_kernels(rng, monkeypatch, lean, dtype, source, interle
     (recipe,) = recipes.values()
     # Interleaved full-width (HF) tables repeat each angle twice: every other entry is read, a
     # strided row that only the general kernel loads.
-    assert recipe.spec.lean is (lean and not (source == "tables_full" and interleaved))
+    common = not (source == "tables_full" and interleaved)
+    assert recipe.spec.lean is (kernel != "general" and common)
+    assert recipe.spec.decode is (kernel == "decode" and common and "computed" not in source)
+
+
+# The decode kernel's own layouts: one thread per (token, head, chunk), heads split over blocks.
+DECODE_CASES = {
+    # name: (tokens, q heads, k heads, head_dim, dtype, source, interleaved, inverse, positions)
+    "uneven_head_split": (5, 33, 8, 128, BF16, "cache", False, False, "int64"),  # 41 over 2 x 21
+    "q_only": (3, 8, None, 128, "float16", "cache", False, False, "int64"),
+    "implicit_positions": (9, 4, 2, 128, BF16, "cache", False, False, None),
+    "mqa_inverse_tables": (6, 8, 1, 64, "float32", "tables_half", False, True, "int64"),
+    "d80_int32_positions": (4, 4, 2, 80, BF16, "cache", False, False, "int32"),
+    "float64": (7, 4, 2, 64, "float64", "cache", False, False, "int64"),
+    "interleaved_d256": (2, 4, 2, 256, BF16, "cache", True, False, "int64"),
+    "interleaved_tables": (7, 4, 2, 128, "float16", "tables_half", True, False, "int64"),
+    "most_tokens": (512, 4, 2, 128, BF16, "cache", False, False, "int64"),
+}
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_kernel_layouts(rng, case, inplace):
+    from cupyrope import launch
+    from cupyrope.recipes import recipes
+
+    t, hq, hk, d, dtype, source, interleaved, inverse, positions_dtype = DECODE_CASES[case]
+    assert t <= launch.DECODE_MAX_TOKENS
+    recipes.clear()
+    q, k = make_qk(rng, dtype, (t,), hq=hq, hk=hk, d=d)
+    positions = None if positions_dtype is None else random_positions(rng, (t,), positions_dtype)
+    angles = make_angles(source, q.shape, positions, d, q=q, interleaved=interleaved)
+    rope_and_check(q, k, angles, rotary_dim=d, interleaved=interleaved, inverse=inverse,
+                   inplace=inplace)
+    (recipe,) = recipes.values()
+    assert recipe.spec.decode, f"{case}: ran {recipe.spec.name_expression}"
 
 
 @pytest.mark.parametrize("source", ["cache", "computed", "tables_full"])
@@ -785,13 +829,15 @@ def test_warmup_counts_and_precompiles(rng, compiled_specs):
 
     count = cr.warmup(dtypes=("float16",), table_dtypes=("float32",), sources=("cache", "computed"),
                       interleaved=(False, True), vector=(True,))
-    assert count == 8  # {cache, computed} x {NeoX, interleaved} x {lean, general}
-    assert len(compiled) == 8
-    assert sum(spec.lean for spec in compiled) == 4
+    # {cache, computed} x {NeoX, interleaved} x {lean, general}, + the cache's decode kernels
+    assert count == 10
+    assert len(compiled) == 10
+    assert sum(spec.lean and not spec.decode for spec in compiled) == 4
+    assert sum(spec.decode for spec in compiled) == 2
     assert cr.warmup(dtypes=("float16",), sources=(cr.AngleSource.CACHE_TABLE,),
-                     interleaved=(False,), vector=(True,)) == 2
+                     interleaved=(False,), vector=(True,)) == 3
     assert cr.warmup(dtypes=()) == 0
-    assert len(compiled) == 8, "warmup recompiled a specialisation it already had"
+    assert len(compiled) == 10, "warmup recompiled a specialisation it already had"
 
     # The calls after warmup use what it compiled, and are correct.
     q, k = make_qk(rng, "float16")
@@ -799,4 +845,4 @@ def test_warmup_counts_and_precompiles(rng, compiled_specs):
     for source, interleaved in (("cache", False), ("computed", True)):
         angles = make_angles(source, q.shape, positions, D, q=q, interleaved=interleaved)
         rope_and_check(q, k, angles, rotary_dim=D, interleaved=interleaved)
-    assert len(compiled) == 8, f"a call after warmup compiled again: {compiled[8:]}"
+    assert len(compiled) == 10, f"a call after warmup compiled again: {compiled[10:]}"
