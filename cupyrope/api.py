@@ -125,10 +125,8 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
             scaling=scaling, interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
             inplace=inplace, validate=validate, seq_len=seq_len,
             **({} if out is None else {"out": out}))
-    return execute.run(q, k, positions, cos_sin_cache, cos, sin, theta=theta, scaling=scaling,
-                       interleaved=interleaved, rotary_dim=rotary_dim, inverse=inverse,
-                       inplace=inplace, validate=validate, seq_len=seq_len,
-                       router=_framework_route, out=out)
+    return execute.run(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, interleaved,
+                       rotary_dim, inverse, inplace, validate, seq_len, _framework_route, out)
 
 
 def _compiling_before_torch() -> bool:

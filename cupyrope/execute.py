@@ -21,12 +21,13 @@ from .recipes import (FUSED_OPERANDS, call_key, fused_call_key, guard_in_place, 
                       recipes, replay, replay_fused)
 
 
-def run(q, k, positions, cos_sin_cache, cos, sin, *, theta, scaling, interleaved, rotary_dim,
+def run(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
         inverse, inplace, validate, seq_len, router=None, out=None):
     """``apply_rope`` on arrays: the repeat-call path, then (if ``router`` sends the call nowhere
     else) the full one. ``router(q, k, positions, cos_sin_cache, cos, sin)`` returns the module
     whose ``apply_rope`` must take the call instead (autograd, tracing), or None. ``out``: the
-    arrays to write the results into (q_out, or (q_out, k_out))."""
+    arrays to write the results into (q_out, or (q_out, k_out)). Every argument may be passed by
+    position: the eager call does, keyword arguments cost a repeat call ~0.4 us."""
     if out is not None and inplace is True:
         raise ValueError("apply_rope: pass inplace=True (write into q and k) or out= (write into "
                          "other arrays), not both")
