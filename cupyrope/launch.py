@@ -19,6 +19,7 @@ import numpy as np
 
 from .abi import (DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, MAX_TOKEN_DIMS, PARAMS_DTYPE,
                   THREADS_PER_BLOCK, AngleSource, StoreFormat, WeightDtype, access_layout)
+from . import dependent_launch
 from .arrays import ArrayInfo, cupy_module, stream_is_capturing, upload
 from .dtypes import ITEMSIZE
 from .fusion import STORE_FORMATS
@@ -96,6 +97,22 @@ def lean_kernel_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token
 # (lean -> decode): T = 1 1.81 -> 1.73, 32 2.14 -> 1.89, 512 3.86 -> 3.77, 1024 5.57 -> 5.26,
 # 2048 13.71 -> 12.86 (docs/perf_log.md); 4096 is within noise, so the limit stays at 2048.
 DECODE_MAX_TOKENS = 2048
+
+
+# Launches of at most DECODE_MAX_TOKENS tokens on the decode or lean kernels (fused ones too) are
+# programmatic dependent launches where the device supports them (cupyrope.dependent_launch): they
+# are dispatched while the previous kernel drains, and wait for it before touching memory. H100,
+# graph of 20 calls, cache, us (decode kernel without -> with): T = 1 1.76 -> 1.20, 32 1.94 -> 1.32,
+# 512 3.79 -> 3.68, 2048 13.27 -> 12.24. Larger launches gain nothing and would let the next
+# kernel's blocks take their SMs early. False turns it off.
+DEPENDENT_LAUNCH = True
+
+
+def dependent_launch_applies(plan: RopePlan, spec: KernelSpec) -> bool:
+    """Whether a launch is made a programmatic dependent launch (the kernel must wait for the
+    previous grid before its first memory access: the decode and lean kernels do)."""
+    return (DEPENDENT_LAUNCH and (spec.decode or spec.lean)
+            and plan.num_tokens <= DECODE_MAX_TOKENS and dependent_launch.supported(plan.device))
 
 
 def decode_kernel_applies(plan: RopePlan, *, lean: bool, copy_pass: bool, pairs: int) -> bool:
@@ -364,7 +381,8 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
     kernel = compiled(spec.kernel)
     recipe = LaunchRecipe(kernel.ptr, device, spec.grid, spec.block, spec.params, spec.sin_offset,
                           spec.vector, inv_freq, spec.shared_bytes, spec.kernel,
-                          fusion_params=spec.fusion_params)
+                          fusion_params=spec.fusion_params,
+                          dependent=dependent_launch_applies(plan, spec.kernel))
     recipe.launch(plan.q.obj, *spec.pointers)
     return recipe
 

@@ -18,6 +18,7 @@ import threading
 from .abi import DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, PARAMS_DTYPE
 from .arrays import (GPU_KINDS, bump_versions, cupy_module, current_stream, gpu_array_key,
                      inference_mode_enabled, new_gpu_outputs)
+from .dependent_launch import DependentLauncher
 from .scaling import exact_key
 
 _ArgumentPointers = ctypes.c_void_p * 1
@@ -41,10 +42,10 @@ class LaunchRecipe:
                  "keep_alive", "spec", "torch", "in_place_checks", "out_dtype", "_words",
                  "_fusion_words",
                  "_argv_address",
-                 "_argv", "_lock", "_runtime", "_driver", "_head")
+                 "_argv", "_lock", "_runtime", "_driver", "_head", "_dependent")
 
     def __init__(self, function_ptr, device, grid, block, params, sin_offset, vector, keep_alive,
-                 shared_bytes=0, spec=None, fusion_params=None):
+                 shared_bytes=0, spec=None, fusion_params=None, dependent=False):
         self.function_ptr = function_ptr
         self.device = device
         self.grid = grid
@@ -76,6 +77,9 @@ class LaunchRecipe:
         self._runtime, self._driver = cupy.cuda.runtime, cupy.cuda.driver
         # cuLaunchKernel's arguments before the stream, in its order, gathered once.
         self._head = (function_ptr, *grid, 1, *block, shared_bytes)
+        # A programmatic dependent launch (cupyrope.dependent_launch) instead, where asked.
+        self._dependent = (DependentLauncher(function_ptr, grid, block, shared_bytes)
+                           if dependent else None)
 
     def launch(self, like, q, k, q_out, k_out, positions, cos, sin, fusion=None) -> None:
         """Launch on ``like``'s current stream with these data pointers (0 for absent ones);
@@ -93,7 +97,10 @@ class LaunchRecipe:
                 _DATA_POINTERS.pack_into(self._words, 0, q, k, q_out, k_out, positions, cos, sin)
                 if fusion is not None:
                     _FUSION_DATA_POINTERS.pack_into(self._fusion_words, 0, *fusion)
-                self._driver.launchKernel(*self._head, stream, self._argv_address, 0)
+                if self._dependent is None:
+                    self._driver.launchKernel(*self._head, stream, self._argv_address, 0)
+                else:
+                    self._dependent(stream, self._argv_address)
         finally:
             if switched:
                 runtime.setDevice(previous)

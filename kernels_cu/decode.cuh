@@ -13,6 +13,7 @@
 // lean kernel, which computes each pair's angle once per token in shared memory.
 #pragma once
 
+#include "dependent_launch.cuh"
 #include "numeric.cuh"
 #include "rope_params.cuh"
 #include "rotation.cuh"
@@ -41,6 +42,9 @@ __device__ __forceinline__ void rope_decode_thread(const DecodeParams& p) {
   T* out = static_cast<T*>(is_q ? p.q_out : p.k_out) +
            token * (is_q ? p.q_out_token_stride : p.k_out_token_stride) +
            h * (is_q ? p.q_out_head_stride : p.k_out_head_stride);
+  // Everything above reads parameters only: with a programmatic dependent launch it overlaps the
+  // previous kernel's tail.
+  wait_for_previous_grid();
   HeadChunk<T, P, true, INTERLEAVED> chunk;
   chunk.load(in, pair0, half);
 

@@ -17,6 +17,7 @@
 // and rope_fused_lean_kernel for their common layout (fused_lean.cuh).
 #include "angles.cuh"
 #include "decode.cuh"
+#include "dependent_launch.cuh"
 #include "fused.cuh"
 #include "fused_lean.cuh"
 #include "numeric.cuh"
@@ -179,6 +180,7 @@ __global__ __launch_bounds__(kMaxThreadsPerBlock,
                              MinBlocksPerSM<T, TableT, SOURCE, WIDE_INDEX, true>::value)
 void rope_lean_kernel(const RopeParams p) {
   static_assert(VECTOR && !WIDE_INDEX, "lean kernels take 16-byte accesses and 32-bit offsets");
+  wait_for_previous_grid();  // a no-op unless the host made this a programmatic dependent launch
   if constexpr (SOURCE == kComputedAngles) {
     rope_tokens_shared_angles<T, VECTOR, INTERLEAVED>(p);
   } else {
@@ -230,6 +232,7 @@ __global__ __launch_bounds__(kMaxThreadsPerBlock,
                              FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE>::value)
 void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
   static_assert(VECTOR && !WIDE_INDEX, "lean kernels take 16-byte accesses and 32-bit offsets");
+  wait_for_previous_grid();  // a no-op unless the host made this a programmatic dependent launch
   rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE>(p, f);
 }
 
