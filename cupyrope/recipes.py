@@ -178,13 +178,13 @@ def call_key(q, k, positions, cos_sin_cache, cos, sin, options, outs=None):
     if not (type(interleaved) is bool and type(inverse) is bool and type(inplace) is bool):
         return None
     try:
-        key = (tuple(metas), type(theta), theta, None if scaling is None else exact_key(scaling),
-               interleaved, type(rotary_dim), rotary_dim, inverse, inplace, type(seq_len), seq_len,
-               None if outs is None else len(outs))
-        hash(key)
+        chosen = (type(theta), theta, None if scaling is None else exact_key(scaling), interleaved,
+                  type(rotary_dim), rotary_dim, inverse, inplace, type(seq_len), seq_len,
+                  None if outs is None else len(outs))
+        hash(chosen)  # only options can be unhashable; the metadata always hashes
     except TypeError:  # an unhashable option (e.g. theta given as an array): full path
         return None
-    return key, pointers
+    return (tuple(metas), chosen), pointers
 
 
 def guard_in_place(recipe: LaunchRecipe, spans, pointers) -> None:
