@@ -35,7 +35,8 @@ __version__ = _version()
 
 
 def clear_cache() -> None:
-    """Forget compiled kernels and uploaded frequency tables of this process."""
+    """Forget compiled kernels, uploaded frequency tables and the ``CUPYROPE_ANGLE_ARITHMETIC``
+    setting read by this process (set that variable, then call this, to switch arithmetics)."""
     from . import execute, kernels, launch
 
     execute.clear()

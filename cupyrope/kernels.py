@@ -3,10 +3,15 @@
 One specialisation table (dtype x table dtype x vector width x pairing x angle source x offset
 width) generates
 every ``name_expressions`` entry. A specialisation is compiled the first time it is needed on a
-device, once even when many threads ask at the same time, and memoised per (device, specialisation).
-CuPy keeps the compiled binaries on disk (``~/.cupy/kernel_cache``) keyed on the source and the
-compile options; a fingerprint of every file in ``kernels_cu/`` is one of those options, so editing a
-``.cuh`` header recompiles instead of loading a stale binary.
+device, once even when many threads ask at the same time, and memoised per (device, angle
+arithmetic, specialisation). CuPy keeps the compiled binaries on disk (``~/.cupy/kernel_cache``)
+keyed on the source and the compile options; a fingerprint of every file in ``kernels_cu/`` is one
+of those options, so editing a ``.cuh`` header recompiles instead of loading a stale binary.
+
+In-kernel (computed) angles of float16 / bfloat16 / float32 q and k are reduced in float64 or in
+float-float arithmetic (``kernels_cu/angles.cuh``), a compile-time choice made per device by
+``angle_arithmetic``: float64 where FP64 runs at half the FP32 rate, float-float (no FP64
+instruction) elsewhere; the environment variable ``CUPYROPE_ANGLE_ARITHMETIC`` overrides it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import functools
 import hashlib
 import importlib.resources
 import itertools
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,32 +145,115 @@ def source_fingerprint() -> str:
     return _read_sources()[1]
 
 
-def compile_options() -> tuple[str, ...]:
-    """NVRTC options shared by every specialisation (architecture is added per device)."""
-    return (
+ANGLE_ARITHMETIC_ENV = "CUPYROPE_ANGLE_ARITHMETIC"
+ANGLE_ARITHMETICS = ("float64", "float-float")
+
+# Compute capabilities whose FP64 units run at half the FP32 rate (results per clock per SM, CUDA
+# C++ Programming Guide, "Arithmetic Instructions" throughput table: 32 of 64 on 6.0 P100, 7.0
+# V100, 8.0 A100; 64 of 128 on 9.0 H100 / H200; and B200 / GB200, 10.0, per NVIDIA's Blackwell
+# datasheet: 40 of 80 TFLOPS). Every other GPU runs FP64 at 1/32 (5.x, 6.1, 6.2, 7.2, 7.5) or
+# 1/64 (8.6, 8.7, 8.9, 12.x) of FP32, and Blackwell Ultra (10.3, B300 / GB300) cut it to ~1/64
+# (1.25 of 75 TFLOPS): there float-float angles avoid FP64 altogether.
+FULL_RATE_FP64_CAPABILITIES = frozenset({(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)})
+
+
+def arithmetic_for_capability(major: int, minor: int) -> str:
+    """The in-kernel angle arithmetic for a compute capability: "float64" where FP64 is full rate
+    (``FULL_RATE_FP64_CAPABILITIES``), "float-float" elsewhere (unknown future GPUs included: it
+    is as accurate, and needs no FP64 at all).
+
+    >>> arithmetic_for_capability(9, 0), arithmetic_for_capability(8, 9)
+    ('float64', 'float-float')
+    """
+    return "float64" if (int(major), int(minor)) in FULL_RATE_FP64_CAPABILITIES else "float-float"
+
+
+def angle_arithmetic_setting() -> str:
+    """``CUPYROPE_ANGLE_ARITHMETIC`` as the environment holds it now: "auto" (unset or empty: by
+    device), "float64" or "float-float"; any other value raises ValueError."""
+    raw = os.environ.get(ANGLE_ARITHMETIC_ENV, "")
+    value = raw.strip().lower() or "auto"
+    allowed = ("auto",) + ANGLE_ARITHMETICS
+    if value not in allowed:
+        raise ValueError(f"{ANGLE_ARITHMETIC_ENV}={raw!r} is not one of "
+                         f"{', '.join(repr(a) for a in allowed)}")
+    return value
+
+
+@functools.lru_cache(maxsize=1)
+def _setting_in_use() -> str:
+    """``angle_arithmetic_setting()`` as read when a kernel was first needed; ``clear_cache()``
+    forgets it (reading the environment on every call would cost the host path microseconds)."""
+    return angle_arithmetic_setting()
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device_id: int) -> tuple[int, int]:
+    capability = cupy_module().cuda.Device(device_id).compute_capability  # e.g. "86"
+    return int(capability[:-1]), int(capability[-1])
+
+
+def angle_arithmetic(device_id: int) -> str:
+    """How kernels compiled for ``device_id`` reduce in-kernel angles of float16 / bfloat16 /
+    float32 q and k: ``CUPYROPE_ANGLE_ARITHMETIC`` if set to "float64" or "float-float", else
+    ``arithmetic_for_capability`` of the device (float64 arrays always use float64). The variable
+    is read once, at the first kernel a process needs; after changing it, call
+    ``cupyrope.clear_cache()``."""
+    setting = _setting_in_use()
+    if setting != "auto":
+        return setting
+    return arithmetic_for_capability(*_compute_capability(device_id))
+
+
+def _kernel_arithmetic(spec: KernelSpec, device_id: int) -> str | None:
+    """The arithmetic ``spec`` is compiled with on ``device_id``: None where the choice changes
+    nothing (table-read angles, float64 q/k), so that those binaries never depend on it."""
+    setting = _setting_in_use()  # a bad value raises whatever the kernel
+    if spec.source != AngleSource.COMPUTED or spec.dtype == "float64":
+        return None
+    if setting != "auto":
+        return setting
+    return arithmetic_for_capability(*_compute_capability(device_id))
+
+
+def compile_options(arithmetic: str | None = None) -> tuple[str, ...]:
+    """NVRTC options shared by every specialisation (architecture is added per device), with the
+    in-kernel angle arithmetic ("float64" or "float-float"; None: the header's default, float64)."""
+    options = (
         "--std=c++17",
         f"-I{kernel_source_dir()}",
         # Part of CuPy's disk-cache key: any edit to a header gives new binaries.
         f"-DCUPYROPE_SOURCES_FINGERPRINT=0x{source_fingerprint()}",
     )
+    if arithmetic is None:
+        return options
+    if arithmetic not in ANGLE_ARITHMETICS:
+        raise ValueError(f"compile_options: arithmetic must be one of {ANGLE_ARITHMETICS} or None, "
+                         f"got {arithmetic!r}")
+    return options + (f"-DCUPYROPE_ANGLES_FLOAT_FLOAT={int(arithmetic == 'float-float')}",)
 
 
 class CompiledKernel:
     """A loaded kernel: its driver handle plus the objects that keep the module alive."""
 
-    __slots__ = ("spec", "device_id", "ptr", "num_regs", "_module", "_function")
+    __slots__ = ("spec", "device_id", "angle_arithmetic", "ptr", "num_regs", "_module",
+                 "_function")
 
-    def __init__(self, spec: KernelSpec, device_id: int, module, function):
+    def __init__(self, spec: KernelSpec, device_id: int, module, function,
+                 angle_arithmetic: str | None = None):
         self.spec = spec
         self.device_id = device_id
+        self.angle_arithmetic = angle_arithmetic  # None: the kernel computes no float angles
         self._module = module
         self._function = function
         self.ptr = function.kernel.ptr
         self.num_regs = function.num_regs  # sizes the launch geometry (blocks per SM)
 
 
-_compiled: dict[tuple[int, KernelSpec], CompiledKernel] = {}
-_locks: dict[tuple[int, KernelSpec], threading.Lock] = {}
+# Keyed on (device, angle arithmetic, spec): kernels compiled one way are never handed out for the
+# other (CUPYROPE_ANGLE_ARITHMETIC changed, then clear_cache()).
+_compiled: dict[tuple[int, str | None, KernelSpec], CompiledKernel] = {}
+_locks: dict[tuple[int, str | None, KernelSpec], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
 
@@ -174,13 +263,15 @@ def current_device() -> int:
 
 
 def is_compiled(spec: KernelSpec, device_id: int) -> bool:
-    """Whether ``spec`` is compiled and loaded on ``device_id`` in this process."""
-    return (device_id, spec) in _compiled
+    """Whether ``spec`` is compiled and loaded on ``device_id`` in this process (with the angle
+    arithmetic that ``get_kernel`` would use now)."""
+    return (device_id, _kernel_arithmetic(spec, device_id), spec) in _compiled
 
 
 def get_kernel(spec: KernelSpec, device_id: int) -> CompiledKernel:
     """The compiled kernel for ``spec`` on ``device_id``, compiling it on first use."""
-    key = (device_id, spec)
+    arithmetic = _kernel_arithmetic(spec, device_id)
+    key = (device_id, arithmetic, spec)
     kernel = _compiled.get(key)
     if kernel is not None:
         return kernel
@@ -189,17 +280,18 @@ def get_kernel(spec: KernelSpec, device_id: int) -> CompiledKernel:
     with lock:  # other threads asking for the same kernel wait for this compile
         kernel = _compiled.get(key)
         if kernel is None:
-            kernel = _compile(spec, device_id)
+            kernel = _compile(spec, device_id, arithmetic)
             _compiled[key] = kernel
     return kernel
 
 
-def _compile(spec: KernelSpec, device_id: int) -> CompiledKernel:
+def _compile(spec: KernelSpec, device_id: int, arithmetic: str | None = None) -> CompiledKernel:
     cupy = cupy_module()
     source, _ = _read_sources()
     with cupy.cuda.Device(device_id):
         module = cupy.RawModule(
-            code=source, options=compile_options(), name_expressions=(spec.name_expression,)
+            code=source, options=compile_options(arithmetic),
+            name_expressions=(spec.name_expression,)
         )
         try:
             function = module.get_function(spec.name_expression)
@@ -208,7 +300,7 @@ def _compile(spec: KernelSpec, device_id: int) -> CompiledKernel:
                 f"NVRTC failed to compile {spec.name_expression} for device {device_id}:\n{exc}"
             ) from exc
         function.kernel  # load the module now, not on the first launch
-    return CompiledKernel(spec, device_id, module, function)
+    return CompiledKernel(spec, device_id, module, function, arithmetic)
 
 
 def warmup(
@@ -296,10 +388,12 @@ _retired: list[CompiledKernel] = []
 
 
 def clear_cache() -> None:
-    """Forget every compiled kernel in this process (CuPy's disk cache stays); the next call
-    compiles (or loads from disk) again. Loaded modules are kept, never unloaded."""
+    """Forget every compiled kernel in this process (CuPy's disk cache stays) and the
+    ``CUPYROPE_ANGLE_ARITHMETIC`` setting read; the next call reads it again and compiles (or
+    loads from disk) again. Loaded modules are kept, never unloaded."""
     with _locks_guard:
         _retired.extend(_compiled.values())
         _compiled.clear()
         _locks.clear()
     _read_sources.cache_clear()
+    _setting_in_use.cache_clear()

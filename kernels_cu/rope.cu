@@ -142,7 +142,7 @@ __device__ __forceinline__ void rope_tokens_shared_angles(const RopeParams& p) {
     const bool active = token < num_tokens;
     const TokenOffsets<Index> o = lean_token_offsets(p, active ? token : Index(0));
     if (active) {
-      const double position = static_cast<double>(load_position(p, o.positions));
+      const long long position = load_position(p, o.positions);
       token_angles_to_shared(p, position, half, rank, threads_per_token, factor, sin_sign,
                              token_cos, token_sin);
     }

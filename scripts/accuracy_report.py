@@ -1,12 +1,14 @@
-"""Accuracy of RoPE angles by position, up to 2^20, against the exact float64 reference.
+"""Accuracy of RoPE angles by position, up to 2^24, against the exact float64 reference.
 
-For positions in buckets (2^(k-1), 2^k], k = 0 .. 20 (bucket 2^0 holds positions 0 and 1), it
+For positions in buckets (2^(k-1), 2^k], k = 0 .. 24 (bucket 2^0 holds positions 0 and 1), it
 measures three ways of turning a position into cos/sin:
 
 - ``table``: the library's float32 ``cos_sin_cache`` (float64 angle, cos/sin rounded once), read by
   ``apply_rope`` as a cache;
 - ``in-kernel``: angles computed by ``apply_rope`` itself from theta / scaling (the NumPy path on the
-  CPU: float64 angles; on a GPU: the kernel's float64 product and range reduction);
+  CPU: float64 angles; on a GPU: the kernel's float64 or float-float product and range reduction,
+  as ``cupyrope.kernels.angle_arithmetic`` picks for the device or CUPYROPE_ANGLE_ARITHMETIC sets;
+  the GPU's heading names it);
 - ``fp32 angle``: Hugging Face's formulation, ``(positions.float() * inv_freq.float())`` then cos/sin
   in float32 (torch when installed, else NumPy float32).
 
@@ -22,7 +24,7 @@ and reports, as the maximum over the bucket's positions and all pairs:
    float32 angle can do.
 
 The library's table is built at the sampled positions only, with the same host functions as
-``cos_sin_cache`` (a 2^20-row cache would need 0.5 GB): a cache holding those rows is read with
+``cos_sin_cache`` (a 2^24-row cache would need 8 GB): a cache holding those rows is read with
 positions ``arange(n)``, which is exactly what a full cache would give at the sampled positions.
 
 Usage (from the repository root; on a GPU machine the GPU columns are added)::
@@ -109,7 +111,11 @@ class Device:
             self.cupy = cupy
             props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
             gpu = props["name"]
-            self.description = f"GPU kernels ({gpu.decode() if isinstance(gpu, bytes) else gpu})"
+            from cupyrope.kernels import angle_arithmetic
+
+            arithmetic = angle_arithmetic(cupy.cuda.runtime.getDevice())
+            self.description = (f"GPU kernels ({gpu.decode() if isinstance(gpu, bytes) else gpu}, "
+                                f"{arithmetic} in-kernel angles)")
         else:
             self.description = "CPU (NumPy path)"
 
@@ -204,7 +210,7 @@ class Report:
     buckets: list[Bucket]
 
 
-def measure(*, theta=500000.0, rotary_dim=128, scaling=None, seq_len=None, max_log2=20, samples=256,
+def measure(*, theta=500000.0, rotary_dim=128, scaling=None, seq_len=None, max_log2=24, samples=256,
             seed=0, device="cpu") -> Report:
     """Angle and rotation errors of the three sources per position bucket on ``device``."""
     dev = Device(device)
@@ -295,7 +301,7 @@ def main(argv=None) -> int:
                         help="a Hugging Face rope_scaling dict as JSON")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="for dynamic / longrope (default: 2^max-log2 + 1)")
-    parser.add_argument("--max-log2", type=int, default=20)
+    parser.add_argument("--max-log2", type=int, default=24)
     parser.add_argument("--samples", type=int, default=256, help="positions per bucket")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu", action="store_true", help="skip the GPU even when there is one")

@@ -33,6 +33,7 @@ __all__ = [
     "reference_rope",
     "round_to_dtype",
     "default_positions",
+    "exact_reduced_angles",
 ]
 
 
@@ -229,3 +230,57 @@ def round_to_dtype(values64, dtype) -> np.ndarray:
         best = np.where(better, cand, best)
         best_err = np.where(better, err, best_err)
     return best.astype(dtype)
+
+
+# pi/2 as three float64: PI_OVER_2[0] + [1] + [2] is 5.6e-50 short of pi/2.
+PI_OVER_2 = (float.fromhex("0x1.921fb54442d18p+0"), float.fromhex("0x1.1a62633145c07p-54"),
+             float.fromhex("-0x1.f1976b7ed8fbcp-110"))
+
+
+def _two_prod(a, b):
+    """a * b = p + e exactly (float64 arrays; Dekker's product, as NumPy has no FMA)."""
+    def split(x):
+        t = 134217729.0 * x  # 2^27 + 1: x = hi + lo, each half a significand
+        hi = t - (t - x)
+        return hi, x - hi
+
+    p = a * b
+    ah, al = split(a)
+    bh, bl = split(b)
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+def _two_sum(a, b):
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def exact_reduced_angles(positions, inv_freq):
+    """The exact angle ``position * inv_freq`` (float64 inv_freq, no rounding of the product)
+    reduced modulo pi/2: ``(k, r_hi, r_lo)`` with ``position * inv_freq = k * pi/2 + r_hi + r_lo``
+    to ~1e-30 rad, |r_hi + r_lo| <= pi/4, broadcast over the arguments (|position| <= 2^53).
+
+    Double-double arithmetic in float64: the product exactly (two-product), k * pi/2 with pi/2 in
+    three float64, the differences with error-free sums.
+    """
+    pos = np.asarray(positions)
+    if pos.size and np.max(np.abs(pos.astype(np.float64))) > 2.0**53:
+        raise ValueError("exact_reduced_angles: positions beyond 2^53 are not exact in float64")
+    pos, freq = np.broadcast_arrays(pos.astype(np.float64), np.asarray(inv_freq, dtype=np.float64))
+    a_hi, a_lo = _two_prod(pos, freq)
+    k = np.rint(a_hi * (2.0 / math.pi))
+    p1, e1 = _two_prod(k, PI_OVER_2[0])
+    p2, e2 = _two_prod(k, PI_OVER_2[1])
+    s = a_hi - p1  # exact: the two are within a factor 2 (or k = 0)
+    lo = np.zeros_like(s)
+    for term in (a_lo, -e1, -p2, -e2, -k * PI_OVER_2[2]):
+        s, e = _two_sum(s, term)
+        lo = lo + e
+    r_hi, r_lo = _two_sum(s, lo)
+    for _ in range(2):  # k from the rounded product can be one off near the quadrant edges
+        step = np.where(r_hi > math.pi / 4, 1.0, np.where(r_hi < -math.pi / 4, -1.0, 0.0))
+        k = k + step
+        s, e = _two_sum(r_hi, -step * PI_OVER_2[0])
+        r_hi, r_lo = _two_sum(s, r_lo + e - step * PI_OVER_2[1] - step * PI_OVER_2[2])
+    return k.astype(np.int64), r_hi, r_lo

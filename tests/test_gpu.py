@@ -769,9 +769,9 @@ def compiled_specs(monkeypatch):
     compiled = []
     real_compile = kernels._compile
 
-    def counting_compile(spec, device_id):
+    def counting_compile(spec, device_id, *args):
         compiled.append(spec)
-        return real_compile(spec, device_id)
+        return real_compile(spec, device_id, *args)
 
     monkeypatch.setattr(kernels, "_compile", counting_compile)
     return compiled

@@ -8,7 +8,10 @@ catches template errors in the ``.cuh`` headers long before a GPU run would.
 
 The specialisations go into a few programs per architecture (every fourth one in each): one
 program per specialisation would parse the headers 464 times, one program for all of them would
-keep a single pytest-xdist worker busy for minutes while the others idle.
+keep a single pytest-xdist worker busy for minutes while the others idle. The computed-angle
+specialisations of float16 / bfloat16 / float32 are compiled a second time with float-float angles
+(``-DCUPYROPE_ANGLES_FLOAT_FLOAT=1``, the build GPUs with slow FP64 get), and the PTX of that build
+is checked for FP64 arithmetic: it has none.
 
 The tests skip when CuPy's NVRTC binding or libnvrtc is missing; CI sets
 ``CUPYROPE_REQUIRE_NVRTC=1`` so that a broken install fails there instead of silently skipping.
@@ -25,6 +28,7 @@ from typing import NamedTuple
 import pytest
 
 from cupyrope import kernels
+from cupyrope.abi import AngleSource
 
 pytestmark = pytest.mark.nvrtc
 
@@ -57,30 +61,50 @@ def _nvrtc_or_skip():
 class CompiledProgram:
     """What one NVRTC compile of all specialisations for one architecture produced."""
 
-    def __init__(self, arch: str, lowered: dict[str, str], cubin: bytes, log: str):
+    def __init__(self, arch: str, lowered: dict[str, str], cubin: bytes, log: str,
+                 arithmetic: str = "float64", ptx: str = ""):
         self.arch = arch
         self.lowered = lowered  # name expression -> mangled kernel symbol
         self.cubin = cubin
         self.log = log
+        self.arithmetic = arithmetic  # of the in-kernel angles (compile_options)
+        self.ptx = ptx
 
 
-PARTS = 6  # programs per architecture
+PARTS = 6  # programs per architecture, every specialisation (float64 angles, the default)
+# The specialisations that float-float angles change, compiled a second time that way.
+FLOAT_FLOAT_SPECIALISATIONS = tuple(
+    spec for spec in kernels.ALL_SPECIALISATIONS
+    if spec.source == AngleSource.COMPUTED and spec.dtype != "float64"
+)
+FLOAT_FLOAT_PARTS = 2
+BUILDS = ([(arch, "float64", part) for arch in ARCHITECTURES for part in range(PARTS)]
+          + [(arch, "float-float", part) for arch in ARCHITECTURES for part in range(FLOAT_FLOAT_PARTS)])
 
 
-@pytest.fixture(scope="module", params=[(arch, part) for arch in ARCHITECTURES for part in range(PARTS)],
-                ids=lambda param: f"{param[0]}-part{param[1]}")
+def _build_id(build) -> str:
+    arch, arithmetic, part = build
+    return f"{arch}-part{part}" if arithmetic == "float64" else f"{arch}-{arithmetic}-part{part}"
+
+
+@pytest.fixture(scope="module", params=BUILDS, ids=_build_id)
 def compiled(request) -> CompiledProgram:
     nvrtc = _nvrtc_or_skip()
-    arch, part = request.param
+    arch, arithmetic, part = request.param
     source, _ = kernels._read_sources()
-    expressions = [spec.name_expression for spec in kernels.ALL_SPECIALISATIONS[part::PARTS]]
+    if arithmetic == "float64":
+        specs, options = kernels.ALL_SPECIALISATIONS[part::PARTS], kernels.compile_options()
+    else:
+        specs = FLOAT_FLOAT_SPECIALISATIONS[part::FLOAT_FLOAT_PARTS]
+        options = kernels.compile_options(arithmetic)
+    expressions = [spec.name_expression for spec in specs]
 
     program = nvrtc.createProgram(source, kernels.SOURCE_FILE, [], [])
     try:
         for expression in expressions:
             nvrtc.addNameExpression(program, expression)
         options = [
-            *kernels.compile_options(),
+            *options,
             f"--gpu-architecture={arch}",  # sm_XX (not compute_XX): NVRTC emits SASS, ptxas runs
             "--ptxas-options=--verbose",  # per-function register / stack / spill report
         ]
@@ -95,9 +119,11 @@ def compiled(request) -> CompiledProgram:
         cubin = nvrtc.getCUBIN(program)
         # The log is a C string; NVRTC's copy keeps the terminating NUL.
         log = nvrtc.getProgramLog(program).rstrip("\x00")
+        ptx = nvrtc.getPTX(program)
     finally:
         nvrtc.destroyProgram(program)
-    return CompiledProgram(arch, lowered, bytes(cubin), log)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    return CompiledProgram(arch, lowered, bytes(cubin), log, arithmetic, ptx.rstrip("\x00"))
 
 
 def test_specialisation_table_is_not_empty():
@@ -193,3 +219,44 @@ def test_fingerprint_changes_when_a_header_changes(source_copy):
     assert source_after == source_before, "only the header changed, rope.cu must read the same"
     assert fingerprint_after != fingerprint_before, f"editing {header.name} kept the fingerprint"
     assert kernels.compile_options() != options_before, "compile options ignore the fingerprint"
+
+
+# PTX instructions that touch float64 values without computing in FP64: loads, stores and moves,
+# the conversion of the float64 launch parameters (sin_sign, attention_factor, the fused ops' eps
+# and scales) to float32, once per thread, and the lean kernel's position, converted to float64
+# in rope.cu once per token (float_float.cuh splits it back into floats with integer operations).
+_FP64_DATA_MOVEMENT = re.compile(r"^(ld|st|mov)\.|^cvt\.rn\.f32\.f64$|^cvt\.rn\.f64\.s64$")
+_PTX_OPCODE = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9_.]*)\s", re.M)
+
+
+def fp64_arithmetic(ptx: str) -> dict[str, int]:
+    """Counts of the PTX opcodes that compute in float64 (any ``.f64`` opcode but data movement):
+    add, mul, fma, rint (cvt.rni.f64.f64), float64 <-> integer conversions of angles, ..."""
+    counts: dict[str, int] = {}
+    for opcode in _PTX_OPCODE.findall(ptx):
+        if ".f64" in opcode and not _FP64_DATA_MOVEMENT.search(opcode):
+            counts[opcode] = counts.get(opcode, 0) + 1
+    return counts
+
+
+def test_fp64_arithmetic_only_in_float64_angles(compiled):
+    """The float-float build has no FP64 arithmetic at all (every kernel in its program computes
+    angles), while the float64 build of the same computed-angle kernels has it (the check sees
+    FP64 where it is)."""
+    assert compiled.ptx, f"{compiled.arch}: NVRTC returned no PTX"
+    if compiled.arithmetic == "float-float":
+        found = fp64_arithmetic(compiled.ptx)
+        assert not found, (f"{compiled.arch}: FP64 arithmetic in the float-float build of "
+                           f"{sorted(compiled.lowered)}: {found}")
+        return
+    entries = re.split(r"^\.(?:visible|weak) \.entry ", compiled.ptx, flags=re.M)[1:]
+    bodies = {entry.split("(", 1)[0].strip(): entry for entry in entries}
+    expressions = {spec.name_expression for spec in FLOAT_FLOAT_SPECIALISATIONS}
+    checked = 0
+    for expression, symbol in compiled.lowered.items():
+        if expression in expressions:
+            found = fp64_arithmetic(bodies[symbol])
+            assert found.get("fma.rn.f64") and found.get("mul.f64"), (
+                f"{compiled.arch}: no float64 product and reduction in {expression}: {found}")
+            checked += 1
+    assert checked, f"{compiled.arch}: no computed-angle kernel in this program"

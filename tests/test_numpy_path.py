@@ -330,9 +330,10 @@ def test_strided_angle_inputs(variant, interleaved, randn, rng):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_computed_large_positions(dtype, interleaved, pos_dtype, randn, rng):
+    """Up to 2^24, the accuracy contract's range."""
     T, D = 64, 128
-    positions = rng.integers(0, 2**20, size=T)
-    positions[:3] = [2**20 - 1, 2**20, 131071]
+    positions = rng.integers(0, 2**24, size=T)
+    positions[:5] = [2**24 - 1, 2**24, 2**20, 131071, 2**24 - 2**20 + 1]
     positions = positions.astype(pos_dtype)
     q = randn((T, 2, D), dtype)
     k = randn((T, 1, D), dtype)
@@ -340,9 +341,23 @@ def test_computed_large_positions(dtype, interleaved, pos_dtype, randn, rng):
         run_and_check(q, k, "computed", D, interleaved=interleaved, positions=positions, theta=theta)
 
 
+@pytest.mark.parametrize("source", ["tables_half", "tables_full"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_tables_near_2p24(source, interleaved, randn, rng):
+    """Per-token tables at positions up to +-2^24 (their float64 angles rounded once)."""
+    T, D = 48, 64
+    positions = np.concatenate([[2**24, 2**24 - 1, -(2**24), 1 - 2**24],
+                                rng.integers(-(2**24), 2**24 + 1, size=T - 4)])
+    q = randn((T, 2, D), "float32")
+    k = randn((T, 1, D), "float32")
+    run_and_check(q, k, source, D, interleaved=interleaved, positions=positions)
+
+
 @pytest.mark.parametrize("pos_dtype", ["int32", "int64"])
 def test_cache_large_positions(pos_dtype, randn, rng):
-    """A 2^20 + 1 row cache: rows near 2^20 are as accurate as row 0."""
+    """A 2^20 + 1 row cache: rows near 2^20 are as accurate as row 0. (Its rows are the float64
+    cos/sin of test_tables_near_2p24, rounded once; a 2^24 + 1 row cache takes 1.5 GB and seconds
+    to build on the CPU, so test_gpu_angles.py reads one on the GPU.)"""
     max_position, r, D = 2**20 + 1, 16, 24
     cache = cr.cos_sin_cache(max_position, r, theta=THETA, dtype="float32")
     positions = rng.integers(0, max_position, size=40)
@@ -362,8 +377,8 @@ def test_cache_large_positions(pos_dtype, randn, rng):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
 def test_computed_negative_positions(dtype, interleaved, randn, rng):
     T, D = 32, 64
-    positions = rng.integers(-(2**20), 2**20, size=T)
-    positions[:2] = [-1, -(2**20)]
+    positions = rng.integers(-(2**24), 2**24, size=T)
+    positions[:3] = [-1, -(2**24), -(2**20)]
     q = randn((T, 4, D), dtype)
     k = randn((T, 4, D), dtype)
     outs, (q0, _) = run_and_check(q, k, "computed", D, interleaved=interleaved, positions=positions)
