@@ -155,12 +155,13 @@ def _torch_ops():
 
 def _framework_route(q, k, positions, cos_sin_cache, cos, sin):
     """The module that must run this call, or None for the array path: torch tensors that require
-    grad (grad mode on) go through the differentiable custom ops of ``cupyrope.torch_ops``, JAX
+    grad (grad mode on) and DTensors go through the custom ops of ``cupyrope.torch_ops``, JAX
     tracers (``jax.grad``, ``jax.jit``, ``jax.vmap``) through ``cupyrope.jax_ops``. Neither
     framework is imported here: only one the caller has already imported is asked."""
     if "torch" in sys.modules:
         torch_ops = _torch_ops()
-        if torch_ops.needs_autograd(q, k):
+        if torch_ops.needs_autograd(q, k) or torch_ops.is_distributed(q, k, positions,
+                                                                      cos_sin_cache, cos, sin):
             return torch_ops
     if "jax" in sys.modules:
         from . import jax_ops

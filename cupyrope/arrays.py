@@ -349,8 +349,18 @@ def _gpu_kind(x) -> str | None:
         module = _module_of(x)
         if module not in ("torch", "cupy"):
             return None
+        if module == "torch" and _is_tensor_wrapper(x):
+            return None  # DTensor and other wrapper subclasses: no storage of their own
         kind = GPU_KINDS.setdefault(type(x), module)
     return kind
+
+
+def _is_tensor_wrapper(x) -> bool:
+    """A torch tensor subclass that intercepts dispatch (DTensor, FakeTensor...): its data lives
+    elsewhere, so it has no pointer a kernel could use."""
+    torch = _torch()
+    return isinstance(x, torch.Tensor) and (
+        type(x).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__)
 
 
 def gpu_array_key(x):

@@ -80,6 +80,8 @@ under ``torch.no_grad()`` (or on detached tensors) both run, and trace under tor
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass, field
 
 import torch
@@ -122,6 +124,18 @@ def needs_autograd(*arrays) -> bool:
             f"{torch.__version__}: call it under torch.no_grad() or pass detached tensors"
         )
     return wanted
+
+
+def is_distributed(*arrays) -> bool:
+    """True when one of ``arrays`` is a DTensor (its torch module is imported only by programs that
+    use it). The first one registers the operators' sharding rules (cupyrope.torch_sharding)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or not any(isinstance(x, module.DTensor) for x in arrays):
+        return False
+    from . import torch_sharding
+
+    torch_sharding.register()
+    return True
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""Sharding rules of the cupyrope torch operators for DTensor (tensor, sequence and context
+parallelism: torch.distributed.tensor, FSDP2, TorchTitan-style training).
+
+A rotation is independent per head and per token, so q and k sharded over their heads, or over a
+token dim with positions (or per-token cos / sin tables) sharded alike, rotate shard by shard with
+no communication; cos / sin caches are read whole (replicated). The rules below tell DTensor
+exactly that: for each acceptable layout, the output placements and the input placements, one per
+operator argument (None for the non-tensor ones). DTensor picks the cheapest layout for the given
+inputs; any other placement (e.g. q sharded over head_dim) is redistributed to one of these as
+DTensor's own rules do.
+
+One token dim is excluded: with positions=None the positions are an arange along axis -3 of q,
+which a shard of that axis would restart at 0, so there that axis is only replicated (with
+per-token cos / sin tables the tables carry the angles and it shards like any other).
+
+``register()`` runs when ``cupyrope.apply_rope`` first sees a DTensor.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+
+# The tensor arguments of the apply_rope operators after q and k (ROTATION_SCHEMA in
+# cupyrope/torch_ops.py), then its non-tensor ones (options and validate).
+_TABLES = ("positions", "cos_sin_cache", "cos", "sin")
+_NUM_OPTIONS = 8  # theta, scaling, scaling_numbers, interleaved, rotary_dim, inverse, seq_len, validate
+
+
+def _token_placement(x, token_ndim: int, dim: int, trailing: int):
+    """The placement of a per-token array (positions: ``trailing`` 0, a leading M-RoPE component
+    dim allowed; cos / sin tables: ``trailing`` 1) when q is sharded over token dim ``dim``: the
+    same dim of x (aligned from the right, as broadcasting aligns), or Replicate where x
+    broadcasts along it."""
+    if x is None:
+        return None
+    own = x.ndim - trailing  # x's dims that line up with q's token dims (M-RoPE: one more)
+    index = dim - (token_ndim - own) if own <= token_ndim else dim + (own - token_ndim)
+    if index < 0 or x.shape[index] == 1:
+        return Replicate()
+    return Shard(index)
+
+
+def _layouts(q, k, positions, cos_sin_cache, cos, sin):
+    """(q and k placement, table placements) of every layout that rotates without communication:
+    replicated, sharded over heads, sharded over a token dim."""
+    replicated = [None if x is None else Replicate() for x in (positions, cos_sin_cache, cos, sin)]
+    layouts = [((Replicate(), None if k is None else Replicate()), replicated)]
+    layouts.append(((Shard(q.ndim - 2), None if k is None else Shard(k.ndim - 2)), replicated))
+    token_ndim = q.ndim - 2
+    for dim in range(token_ndim):
+        if dim == token_ndim - 1 and positions is None and cos is None:
+            continue  # the implicit arange along axis -3 would restart in every shard
+        tables = [_token_placement(positions, token_ndim, dim, 0),
+                  None if cos_sin_cache is None else Replicate(),
+                  _token_placement(cos, token_ndim, dim, 1),
+                  _token_placement(sin, token_ndim, dim, 1)]
+        layouts.append(((Shard(dim), None if k is None else Shard(dim)), tables))
+    return layouts
+
+
+def _functional_rules(q, k, positions, cos_sin_cache, cos, sin, *options):
+    """apply_rope: (q_out, k_out) placed as q and k (k_out is an empty placeholder without k)."""
+    rules = []
+    for (q_place, k_place), tables in _layouts(q, k, positions, cos_sin_cache, cos, sin):
+        outputs = [q_place, Replicate() if k is None else k_place]
+        rules.append((outputs, [q_place, k_place, *tables] + [None] * len(options)))
+    return rules
+
+
+def _inplace_rules(q, k, positions, cos_sin_cache, cos, sin, *options):
+    """apply_rope_: no outputs; q and k keep their placements (DTensor never redistributes a
+    tensor written in place)."""
+    return [([], [q_place, k_place, *tables] + [None] * len(options))
+            for (q_place, k_place), tables in _layouts(q, k, positions, cos_sin_cache, cos, sin)]
+
+
+@functools.lru_cache(maxsize=None)
+def register() -> None:
+    """Register the rules with DTensor (once per process)."""
+    ops = torch.ops.cupyrope
+    register_sharding(ops.apply_rope.default)(_functional_rules)
+    register_sharding(ops.apply_rope_.default)(_inplace_rules)
