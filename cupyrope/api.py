@@ -181,14 +181,16 @@ def _rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_d
 
 def _fused_route(where, q, k, positions, rope, fusion):
     """The module whose ``run_fused`` must take a fused call, or None for the array path: calls
-    traced by torch.compile and torch tensors that require grad go to ``cupyrope.torch_ops``, JAX
+    traced by torch.compile, torch tensors that require grad and DTensors go to
+    ``cupyrope.torch_ops``, JAX
     tracers to ``cupyrope.jax_ops``. As for :func:`_framework_route`, only a framework the caller
     has already imported is asked."""
     if _compiling():
         return _torch_ops()
     if "torch" in sys.modules:
         torch_ops = _torch_ops()
-        if torch_ops.needs_autograd(q, k, *fusion.values()):  # weights, v, caches, scales too
+        arrays = (q, k, positions, *rope.values(), *fusion.values())  # weights, v, caches, scales
+        if torch_ops.needs_autograd(q, k, *fusion.values()) or torch_ops.is_distributed(*arrays):
             return torch_ops
     if "jax" in sys.modules:
         from . import jax_ops

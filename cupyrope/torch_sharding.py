@@ -3,7 +3,9 @@ parallelism: torch.distributed.tensor, FSDP2, TorchTitan-style training).
 
 A rotation is independent per head and per token, so q and k sharded over their heads, or over a
 token dim with positions (or per-token cos / sin tables) sharded alike, rotate shard by shard with
-no communication; cos / sin caches are read whole (replicated). The rules below tell DTensor
+no communication; cos / sin caches are read whole (replicated), and so are the fused ops' RMSNorm
+weights and fp8 scales (rms_norm_rope, apply_rope with fp8 outputs; rope_and_cache, which also
+writes the KV caches through a slot mapping, has no rules). The rules below tell DTensor
 exactly that: for each acceptable layout, the output placements and the input placements, one per
 operator argument (None for the non-tensor ones). DTensor picks the cheapest layout for the given
 inputs; any other placement (e.g. q sharded over head_dim) is redistributed to one of these as
@@ -24,10 +26,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-# The tensor arguments of the apply_rope operators after q and k (ROTATION_SCHEMA in
-# cupyrope/torch_ops.py), then its non-tensor ones (options and validate).
+# The per-token and table arguments of every operator after q and k (ROTATION_SCHEMA in
+# cupyrope/torch_ops.py).
 _TABLES = ("positions", "cos_sin_cache", "cos", "sin")
-_NUM_OPTIONS = 8  # theta, scaling, scaling_numbers, interleaved, rotary_dim, inverse, seq_len, validate
 
 
 def _token_placement(x, token_ndim: int, dim: int, trailing: int):
@@ -62,25 +63,43 @@ def _layouts(q, k, positions, cos_sin_cache, cos, sin):
     return layouts
 
 
-def _functional_rules(q, k, positions, cos_sin_cache, cos, sin, *options):
-    """apply_rope: (q_out, k_out) placed as q and k (k_out is an empty placeholder without k)."""
-    rules = []
-    for (q_place, k_place), tables in _layouts(q, k, positions, cos_sin_cache, cos, sin):
-        outputs = [q_place, Replicate() if k is None else k_place]
-        rules.append((outputs, [q_place, k_place, *tables] + [None] * len(options)))
+def _rules_for(op):
+    """The sharding function of one operator: for each layout, the outputs placed as q and k
+    (none for an in-place operator, which keeps its inputs' placements: DTensor never
+    redistributes a tensor written in place), and one placement per operator argument: q, k and
+    the tables as the layout says, every other tensor (RMSNorm weights, fp8 scales) replicated,
+    None for the non-tensor arguments."""
+    arguments = [a.name for a in op._schema.arguments]
+    returns = len(op._schema.returns)
+
+    def rules(*args):
+        named = dict(zip(arguments, args))
+        q, k = named["q"], named["k"]
+        result = []
+        for (q_place, k_place), tables in _layouts(q, k, *(named[n] for n in _TABLES)):
+            given = {"q": q_place, "k": k_place, **dict(zip(_TABLES, tables))}
+            inputs = [given[n] if n in given else (Replicate() if _is_tensor(named[n]) else None)
+                      for n in arguments]
+            outputs = [q_place, Replicate() if k is None else k_place][:returns]
+            result.append((outputs, inputs))
+        return result
+
     return rules
 
 
-def _inplace_rules(q, k, positions, cos_sin_cache, cos, sin, *options):
-    """apply_rope_: no outputs; q and k keep their placements (DTensor never redistributes a
-    tensor written in place)."""
-    return [([], [q_place, k_place, *tables] + [None] * len(options))
-            for (q_place, k_place), tables in _layouts(q, k, positions, cos_sin_cache, cos, sin)]
+def _is_tensor(spec) -> bool:
+    """A tensor argument as DTensor hands it to a sharding function (a spec with placements)."""
+    return hasattr(spec, "placements")
+
+
+# The operators with rules: the rotation and the fused ops that write only q and k. rope_and_cache
+# also writes the KV caches through its slot mapping, for which no shard-local layout is defined.
+_OPERATORS = ("apply_rope", "apply_rope_", "rms_norm_rope", "rms_norm_rope_", "apply_rope_fp8")
 
 
 @functools.lru_cache(maxsize=None)
 def register() -> None:
     """Register the rules with DTensor (once per process)."""
-    ops = torch.ops.cupyrope
-    register_sharding(ops.apply_rope.default)(_functional_rules)
-    register_sharding(ops.apply_rope_.default)(_inplace_rules)
+    for name in _OPERATORS:
+        op = getattr(torch.ops.cupyrope, name).default
+        register_sharding(op)(_rules_for(op))

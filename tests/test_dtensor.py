@@ -129,6 +129,49 @@ def _check_case(mesh, name, case) -> None:
     assert torch.allclose(dleaf.grad.full_tensor(), leaf.grad, rtol=0, atol=1e-6), name
 
 
+def _check_fused(mesh) -> None:
+    """rms_norm_rope over heads and over tokens, fp8 outputs over heads: shard-local (weights and
+    scales replicated), bit-identical to the single-process call."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import cupyrope as cr
+
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(6, 4, 16, generator=g), torch.randn(6, 2, 16, generator=g)
+    weight = torch.rand(16, generator=g) + 0.5
+    positions = torch.randint(0, 64, (6,), generator=g)
+    cache = cr.cos_sin_cache(64, 16, dtype="float32", like=q)
+    R = Replicate()
+    calls = {
+        "rms_norm_rope": lambda q, k, w, p, c: cr.rms_norm_rope(q, k, w, w, p, eps=1e-6,
+                                                                cos_sin_cache=c),
+        "fp8_out": lambda q, k, w, p, c: cr.apply_rope(q, k, p, cos_sin_cache=c,
+                                                       out_dtype="float8_e4m3fn", q_scale=0.5,
+                                                       k_scale=0.25),
+    }
+    layouts = {"heads": (Shard(1), R), "tokens": (Shard(0), Shard(0))}
+    for op, call in calls.items():
+        expected = call(q, k, weight, positions, cache)
+        for layout, (qk_place, positions_place) in layouts.items():
+            if op == "fp8_out" and layout == "tokens":
+                continue
+            name = f"{op} over {layout}"
+            args = (_distribute(mesh, q, qk_place), _distribute(mesh, k, qk_place),
+                    _distribute(mesh, weight, R), _distribute(mesh, positions, positions_place),
+                    _distribute(mesh, cache, R))
+            with CommDebugMode() as comm:
+                result = call(*args)
+            assert comm.get_total_counts() == 0, (name, comm.get_comm_counts())
+            for out, want in zip(result, expected):
+                assert isinstance(out, DTensor) and out.placements == (qk_place,), name
+                # Each rank's shard against its chunk of the single-process result, as bits
+                # (gloo cannot gather fp8).
+                local, chunk = out.to_local(), want.chunk(WORLD, qk_place.dim)[dist.get_rank()]
+                assert local.dtype == want.dtype and local.shape == chunk.shape, name
+                assert torch.equal(local.view(torch.uint8), chunk.view(torch.uint8)), name
+
+
 def _worker(rank: int, port: int, errors) -> None:
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -139,6 +182,7 @@ def _worker(rank: int, port: int, errors) -> None:
         mesh = init_device_mesh("cpu", (WORLD,))
         for name, case in _cases().items():
             _check_case(mesh, name, case)
+        _check_fused(mesh)
         dist.destroy_process_group()
     except BaseException:  # reported by the parent, with the rank
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
