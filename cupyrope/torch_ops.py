@@ -128,9 +128,17 @@ def needs_autograd(*arrays) -> bool:
 
 def is_distributed(*arrays) -> bool:
     """True when one of ``arrays`` is a DTensor (its torch module is imported only by programs that
-    use it). The first one registers the operators' sharding rules (cupyrope.torch_sharding)."""
+    use it, and takes a second to import: cupyrope never imports it itself)."""
     module = sys.modules.get("torch.distributed.tensor")
-    if module is None or not any(isinstance(x, module.DTensor) for x in arrays):
+    return module is not None and any(isinstance(x, module.DTensor) for x in arrays)
+
+
+@torch.compiler.assume_constant_result
+def _sharding_rules_ready() -> bool:
+    """Register the operators' DTensor sharding rules (cupyrope.torch_sharding) once DTensor is
+    imported; every entry into the operators asks first. Run as a constant while torch.compile
+    traces, so a compiled function whose first call sees DTensors has the rules too."""
+    if "torch.distributed.tensor" not in sys.modules:
         return False
     from . import torch_sharding
 
@@ -213,6 +221,7 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     _check_tensor(q, "q")
     if k is not None:
         _check_tensor(k, "k")
+    _sharding_rules_ready()
     rotation = _rotation_args("apply_rope", positions, cos_sin_cache, cos, sin, theta, scaling,
                               interleaved, rotary_dim, inverse, seq_len)
     inplace = check_bool(inplace, "inplace")
@@ -340,6 +349,7 @@ def run_fused(where, q, k, positions, *, rope: dict, fusion: dict, validate: boo
     traced by torch.compile and for tensors that require grad. Same arguments, results and errors
     as the public functions; ``rope`` and ``fusion`` are the dicts they build."""
     named = fused_op_args(where, q, k, positions, rope, fusion, validate)
+    _sharding_rules_ready()
     inplace = check_bool(rope["inplace"], "inplace", where)
     if inplace and named["out_dtype"] is not None:
         raise ValueError(f"{where}: an fp8 out_dtype needs new outputs: pass inplace=False")

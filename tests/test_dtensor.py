@@ -1,7 +1,8 @@
 """DTensor (torch.distributed.tensor): q and k sharded over heads, or over a token dim with
 positions / per-token tables sharded alike, rotate shard-locally — no collective at all — and
-give the single-process result bit for bit, out of place, in place and under autograd; other
-placements are redistributed out of place and still right, and refused in place.
+give the single-process result bit for bit, out of place, in place, under autograd and under
+torch.compile; other placements are redistributed out of place and still right, and refused in
+place.
 
 Two CPU processes on the gloo backend (CI has no GPU); every case runs in both ranks and compares
 with the same call on plain tensors. Collectives are counted with DTensor's CommDebugMode.
@@ -172,6 +173,29 @@ def _check_fused(mesh) -> None:
                 assert torch.equal(local.view(torch.uint8), chunk.view(torch.uint8)), name
 
 
+def _check_compiled(mesh) -> None:
+    """torch.compile(fullgraph=True) of a function that rotates DTensors: one graph, the same
+    placements and bits as eager (aot_eager: Inductor's CPU code generation needs a compiler)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    import cupyrope as cr
+
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(6, 4, 16, generator=g), torch.randn(6, 2, 16, generator=g)
+    positions = torch.randint(0, 64, (6,), generator=g)
+    cache = cr.cos_sin_cache(64, 16, dtype="float32", like=q)
+    expected = cr.apply_rope(q, k, positions, cos_sin_cache=cache)
+    step = torch.compile(lambda q, k, p, c: cr.apply_rope(q, k, p, cos_sin_cache=c),
+                         fullgraph=True, backend="aot_eager")
+    for place, positions_place in ((Shard(1), Replicate()), (Shard(0), Shard(0))):
+        out = step(_distribute(mesh, q, place), _distribute(mesh, k, place),
+                   _distribute(mesh, positions, positions_place),
+                   _distribute(mesh, cache, Replicate()))
+        for got, want in zip(out, expected):
+            assert got.placements == (place,), (place, got.placements)
+            assert torch.equal(got.full_tensor(), want), place
+
+
 def _worker(rank: int, port: int, errors) -> None:
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -183,6 +207,7 @@ def _worker(rank: int, port: int, errors) -> None:
         for name, case in _cases().items():
             _check_case(mesh, name, case)
         _check_fused(mesh)
+        _check_compiled(mesh)
         dist.destroy_process_group()
     except BaseException:  # reported by the parent, with the rank
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
