@@ -21,8 +21,10 @@ the input buffers and writing the output buffers where XLA placed them. So under
 - Python runs at every execution (like ``jax.pure_callback``, without its copies): each call costs
   the host time of an eager call, XLA does not fuse across it, and it is not captured into XLA's
   CUDA graphs (command buffers); ``jax.export`` cannot serialise it;
-- ``jax.vmap`` runs the callback once per batch element (``vmap_method="sequential"``): correct
-  for every argument combination, not fast. Give the op the batch as a token dim instead.
+- ``jax.vmap`` of ``apply_rope`` is one callback for the whole batch: a ``custom_vmap`` rule
+  makes the batch a leading token dim (``_batched_rope``); a batched cos/sin cache or M-RoPE
+  positions run once per element. The fused ops' callbacks run once per batch element
+  (``vmap_method="sequential"``): correct for every argument combination, not fast.
 
 fp8 arrays (fp8 outputs, fp8 caches) cross the callback as their bits (uint8 buffers, bitcast by
 XLA on either side, which costs nothing): XLA's buffers offer no CUDA array interface for fp8, and
@@ -296,6 +298,67 @@ def _inverse_rotation(static: _Static, grad_q, grad_k, tables):
 
 
 def _call(static: _Static, q, k, tables):
+    """(q_out, k_out or None) through one buffer_callback; under ``jax.vmap``, one call for the
+    whole batch where it folds into the token dims (:func:`_batched_rope`)."""
+    return _batched_rope(static)(q, k, tables)
+
+
+@functools.lru_cache(maxsize=1024)
+def _batched_rope(static: _Static):
+    """The rotation with a vmap rule: the batch becomes one more (leading) token dim of q and k,
+    so a vmapped call is one launch, not one per element. Positions and per-token tables that are
+    batched get that dim too (aligned with q's token dims: broadcasting aligns from the right, so
+    ones are inserted after the batch dim); unbatched ones broadcast over it as they broadcast
+    over any token dim, and the cos/sin cache is shared. A batched cache, or M-RoPE positions
+    (their component dim leads), cannot fold: those run per element (``jax.lax.map``)."""
+    from jax.custom_batching import custom_vmap
+
+    @custom_vmap
+    def rope(q, k, tables):
+        return _callback_call(static, q, k, tables)
+
+    @rope.def_vmap
+    def rule(axis_size, in_batched, q, k, tables):
+        q_batched, k_batched, tables_batched = in_batched
+        positions, cache, cos, sin = tables
+        token_ndim = q.ndim - 2 - (1 if q_batched else 0)  # the per-element token dims
+        positions_batched, cache_batched, cos_batched, sin_batched = tables_batched
+        mrope = positions is not None and positions.ndim - positions_batched > token_ndim
+        if cache_batched or mrope:
+            return _per_element(rope, axis_size, in_batched, q, k, tables)
+
+        def leading(x, batched):  # the array with the batch as its first dim
+            return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+
+        def aligned(x, batched, trailing):  # a per-token array under the new token dim
+            if x is None or not batched:
+                return x
+            missing = token_ndim - (x.ndim - 1 - trailing)
+            return x.reshape(x.shape[:1] + (1,) * missing + x.shape[1:])
+
+        q_all = leading(q, q_batched)
+        k_all = None if k is None else leading(k, k_batched)
+        folded = (aligned(positions, positions_batched, 0), cache,
+                  aligned(cos, cos_batched, 1), aligned(sin, sin_batched, 1))
+        q_out, k_out = _callback_call(static, q_all, k_all, folded)
+        return (q_out, k_out), (True, None if k is None else True)
+
+    return rope
+
+
+def _per_element(rope, axis_size, in_batched, q, k, tables):
+    """A vmapped rotation one element at a time (what cannot fold into the token dims)."""
+    args = (q, k, tuple(tables))
+    in_batched = (in_batched[0], in_batched[1], tuple(in_batched[2]))
+    batched = jax.tree_util.tree_map(
+        lambda x, b: x if x is None or b else jnp.broadcast_to(x, (axis_size, *x.shape)), args,
+        in_batched,
+        is_leaf=lambda x: x is None)
+    q_out, k_out = jax.lax.map(lambda element: rope(*element), batched)
+    return (q_out, k_out), (True, None if k is None else True)
+
+
+def _callback_call(static: _Static, q, k, tables):
     """(q_out, k_out or None) through one buffer_callback."""
     from jax.experimental.buffer_callback import buffer_callback
 

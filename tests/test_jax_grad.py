@@ -5,7 +5,8 @@
   both pairings, partial rotary, q and k; they agree with jax.grad of a pure jax.numpy formulation
   and pass jax.test_util.check_grads (numerical differentiation);
 - jax.jit gives the eager (DLPack path) results bit for bit, jax.jit(jax.grad) the eager gradients;
-- jax.vmap over a batch equals the per-element calls;
+- jax.vmap over a batch equals the per-element calls, in one launch over the batch folded into the
+  token dims (per element only for a batched cos/sin cache);
 - argument errors are raised while tracing with the eager types; in place is refused.
 """
 
@@ -174,6 +175,97 @@ def test_vmap_equals_per_element_calls(rng):
                           what=f"vmap element {i}")
     grad = jax.grad(lambda xs: jnp.sum(jax.vmap(lambda x, p: cr.apply_rope(x, positions=p))(xs, positions) ** 3))
     assert grad(xs).shape == xs.shape
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The shapes of q each rotation ran on (one entry per launch, or per NumPy-path call)."""
+    from cupyrope import execute
+
+    shapes = []
+    real = execute.rotate_into
+
+    def counting(plan, outputs):
+        shapes.append(tuple(plan.q.shape))
+        return real(plan, outputs)
+
+    monkeypatch.setattr(execute, "rotate_into", counting)
+    return shapes
+
+
+# (name, per-element call, batched arguments (with their vmap axis), shared arguments) for the
+# vmap rule: positions / tables batched or shared, k batched or shared, batch not leading.
+VMAP_CASES = {
+    "positions_and_q": (lambda q, p, k, c: cr.apply_rope(q, k, p, cos_sin_cache=c), "qp"),
+    "q_only_shared_positions": (lambda q, p, k, c: cr.apply_rope(q, k, p, cos_sin_cache=c), "q"),
+    "positions_only": (lambda q, p, k, c: cr.apply_rope(q, k, p, cos_sin_cache=c), "p"),
+    "k_batched": (lambda q, p, k, c: cr.apply_rope(q, k, p, cos_sin_cache=c), "qpk"),
+    "computed_batch_on_axis_1": (lambda q, p, k, c: cr.apply_rope(q, k, p, theta=THETA), "qp1"),
+    "implicit_positions": (lambda q, p, k, c: cr.apply_rope(q, k, theta=THETA), "q"),
+    "tables": (lambda q, p, k, c: cr.apply_rope(q, k, cos=c[p, :4], sin=c[p, 4:]), "qp"),
+}
+
+
+@pytest.mark.parametrize("case", list(VMAP_CASES))
+def test_vmap_folds_the_batch_into_one_launch(rng, launches, case):
+    """jax.vmap of a rotation is one launch over the batch as a leading token dim, bit-identical to
+    the per-element calls, whatever is batched (q, positions, k, per-token tables; the batch on
+    any axis) and shared (positions broadcast over the batch, the cache)."""
+    call, batched = VMAP_CASES[case]
+    N, B0, T, H, D = 3, 2, 4, 2, 8
+    axis = 1 if batched.endswith("1") else 0
+    cache = jnp.asarray(cr.cos_sin_cache(MAX_POSITION, D, theta=THETA))
+    q = jnp.asarray(random(rng, (N, B0, T, H, D) if "q" in batched else (B0, T, H, D)))
+    k = jnp.asarray(random(rng, (N, B0, T, 1, D) if "k" in batched else (B0, T, 1, D)))
+    p = jnp.asarray(rng.integers(0, MAX_POSITION, (N, T) if "p" in batched else (T,)),
+                    dtype=jnp.int32)
+    if axis:
+        q, p = jnp.moveaxis(q, 0, 1), jnp.moveaxis(p, 0, 1)
+    in_axes = (axis if "q" in batched else None, axis if "p" in batched else None,
+               0 if "k" in batched else None, None)
+    out_q, out_k = jax.jit(jax.vmap(call, in_axes=in_axes))(q, p, k, cache)
+    assert launches == [(N, B0, T, H, D)], launches
+    for i in range(N):
+        take = (lambda x, b, ax=0: jnp.take(x, i, axis=ax) if b else x)
+        want_q, want_k = call(take(q, "q" in batched, axis), take(p, "p" in batched, axis),
+                              take(k, "k" in batched), cache)
+        assert_bits_equal(np.asarray(out_q[i]), np.asarray(want_q), what=f"{case}: q {i}")
+        assert_bits_equal(np.asarray(out_k[i]), np.asarray(want_k), what=f"{case}: k {i}")
+
+
+def test_vmap_of_a_batched_cache_runs_per_element(rng, launches):
+    """A cache per batch element cannot fold into the token dims: one launch per element, the same
+    results."""
+    N, T, H, D = 3, 4, 2, 8
+    caches = jnp.stack([jnp.asarray(cr.cos_sin_cache(MAX_POSITION, D, theta=t))
+                        for t in (THETA, 500.0, 1e6)])
+    q = jnp.asarray(random(rng, (N, T, H, D)))
+    p = jnp.asarray(rng.integers(0, MAX_POSITION, (N, T)), dtype=jnp.int32)
+    out = jax.vmap(lambda q, p, c: cr.apply_rope(q, None, p, cos_sin_cache=c))(q, p, caches)
+    assert launches == [(T, H, D)] * N, launches
+    for i in range(N):
+        assert_bits_equal(np.asarray(out[i]),
+                          np.asarray(cr.apply_rope(q[i], None, p[i], cos_sin_cache=caches[i])),
+                          what=f"element {i}")
+
+
+def test_grad_of_vmap_and_vmap_of_grad_fold_too(rng, launches):
+    """Differentiating through the vmapped call (and vmapping the gradient) keeps one launch per
+    pass over the whole batch, with the per-element gradients."""
+    N, T, H, D = 3, 4, 2, 8
+    q = jnp.asarray(random(rng, (N, T, H, D)))
+    p = jnp.asarray(rng.integers(0, MAX_POSITION, (N, T)), dtype=jnp.int32)
+
+    def loss(q, p):
+        return jnp.sum(cr.apply_rope(q, None, p, theta=THETA) ** 3)
+
+    grad_of_vmap = jax.grad(lambda q: jnp.sum(jax.vmap(loss)(q, p)))(q)
+    vmap_of_grad = jax.vmap(jax.grad(loss))(q, p)
+    assert launches == [(N, T, H, D)] * 4, launches  # forward and backward of each
+    for i in range(N):
+        want = np.asarray(jax.grad(loss)(q[i], p[i]))
+        assert_bits_equal(np.asarray(grad_of_vmap[i]), want, what=f"grad(vmap) {i}")
+        assert_bits_equal(np.asarray(vmap_of_grad[i]), want, what=f"vmap(grad) {i}")
 
 
 @pytest.mark.parametrize("call, error, match", [
