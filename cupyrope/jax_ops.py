@@ -21,10 +21,10 @@ the input buffers and writing the output buffers where XLA placed them. So under
 - Python runs at every execution (like ``jax.pure_callback``, without its copies): each call costs
   the host time of an eager call, XLA does not fuse across it, and it is not captured into XLA's
   CUDA graphs (command buffers); ``jax.export`` cannot serialise it;
-- ``jax.vmap`` of ``apply_rope`` is one callback for the whole batch: a ``custom_vmap`` rule
-  makes the batch a leading token dim (``_batched_rope``); a batched cos/sin cache or M-RoPE
-  positions run once per element. The fused ops' callbacks run once per batch element
-  (``vmap_method="sequential"``): correct for every argument combination, not fast.
+- ``jax.vmap`` of ``apply_rope``, ``rms_norm_rope`` and fp8 outputs is one callback for the
+  whole batch: a ``custom_vmap`` rule makes the batch a leading token dim (``_batched_rope``,
+  ``_batched_fused``); a batched cos/sin cache, weights or scales, or M-RoPE positions, run once
+  per element, and so does ``rope_and_cache`` (``vmap_method="sequential"``).
 
 fp8 arrays (fp8 outputs, fp8 caches) cross the callback as their bits (uint8 buffers, bitcast by
 XLA on either side, which costs nothing): XLA's buffers offer no CUDA array interface for fp8, and
@@ -327,23 +327,30 @@ def _batched_rope(static: _Static):
         if cache_batched or mrope:
             return _per_element(rope, axis_size, in_batched, q, k, tables)
 
-        def leading(x, batched):  # the array with the batch as its first dim
-            return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-
-        def aligned(x, batched, trailing):  # a per-token array under the new token dim
-            if x is None or not batched:
-                return x
-            missing = token_ndim - (x.ndim - 1 - trailing)
-            return x.reshape(x.shape[:1] + (1,) * missing + x.shape[1:])
-
-        q_all = leading(q, q_batched)
-        k_all = None if k is None else leading(k, k_batched)
-        folded = (aligned(positions, positions_batched, 0), cache,
-                  aligned(cos, cos_batched, 1), aligned(sin, sin_batched, 1))
+        q_all = _leading(q, q_batched, axis_size)
+        k_all = None if k is None else _leading(k, k_batched, axis_size)
+        folded = (_aligned(positions, positions_batched, 0, token_ndim), cache,
+                  _aligned(cos, cos_batched, 1, token_ndim),
+                  _aligned(sin, sin_batched, 1, token_ndim))
         q_out, k_out = _callback_call(static, q_all, k_all, folded)
         return (q_out, k_out), (True, None if k is None else True)
 
     return rope
+
+
+def _leading(x, batched, axis_size):
+    """x with the vmapped batch as its first dim (broadcast where x is not batched)."""
+    return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+
+
+def _aligned(x, batched, trailing: int, token_ndim: int):
+    """A batched per-token array (positions: ``trailing`` 0; cos / sin tables: 1) with ones after
+    its batch dim, so that the batch lines up with q's new leading token dim; unbatched arrays
+    broadcast over that dim as they are."""
+    if x is None or not batched:
+        return x
+    missing = token_ndim - (x.ndim - 1 - trailing)
+    return x.reshape(x.shape[:1] + (1,) * missing + x.shape[1:])
 
 
 def _per_element(rope, axis_size, in_batched, q, k, tables):
@@ -463,6 +470,56 @@ def _rms_norm_vjp(x, weight, grad, eps: float, weight_offset: float):
 
 
 def _fused_call(fused: _Fused, arrays: tuple) -> tuple:
+    """The outputs of a fused call: under ``jax.vmap``, one call for the whole batch where it
+    folds into the token dims (:func:`_batched_fused`); the cache write runs per element (its
+    caches and slots have no token dims to fold into)."""
+    if any(name in fused.names for name in _CACHES):
+        return _fused_callback_call(fused, arrays)
+    return _batched_fused(fused)(arrays)
+
+
+# Arrays of a fused call that are per token (folded under vmap) rather than shared by all tokens.
+_PER_TOKEN = {"q": None, "k": None, "positions": 0, "cos": 1, "sin": 1}  # name -> trailing dims
+
+
+@functools.lru_cache(maxsize=1024)
+def _batched_fused(fused: _Fused):
+    """A fused call without a cache write (rms_norm_rope, fp8 outputs) with the vmap rule of
+    :func:`_batched_rope`: the batch a leading token dim of q and k, batched positions and
+    per-token tables aligned with it; the cos/sin cache, RMSNorm weights and fp8 scales must be
+    shared by the batch (a batched one, or M-RoPE positions, runs per element)."""
+    from jax.custom_batching import custom_vmap
+
+    @custom_vmap
+    def call(arrays):
+        return _fused_callback_call(fused, arrays)
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, arrays):
+        (flags,) = in_batched
+        batched = dict(zip(fused.names, flags))
+        named = dict(zip(fused.names, arrays))
+        token_ndim = named["q"].ndim - 2 - (1 if batched["q"] else 0)
+        positions = named.get("positions")
+        mrope = positions is not None and positions.ndim - batched["positions"] > token_ndim
+        if mrope or any(batched[name] for name in fused.names if name not in _PER_TOKEN):
+            whole = tuple(_leading(x, b, axis_size) for x, b in zip(arrays, flags))
+            outs = jax.lax.map(call, whole)
+        else:
+            def folded(name, x):
+                if name not in _PER_TOKEN:
+                    return x  # shared by the batch
+                if _PER_TOKEN[name] is None:  # q, k
+                    return _leading(x, batched[name], axis_size)
+                return _aligned(x, batched[name], _PER_TOKEN[name], token_ndim)
+
+            outs = _fused_callback_call(fused, tuple(folded(n, x) for n, x in named.items()))
+        return outs, tuple(True for _ in outs)
+
+    return call
+
+
+def _fused_callback_call(fused: _Fused, arrays: tuple) -> tuple:
     """The outputs of a fused call through one buffer_callback: q_out (k_out), then the new caches
     (outputs aliased to the input caches). fp8 arrays cross as their bits (uint8)."""
     from jax.experimental.buffer_callback import buffer_callback

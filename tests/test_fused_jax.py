@@ -297,6 +297,46 @@ def test_vmap_equals_per_element_calls(backend, rng):
                 assert_bits_equal(np.asarray(got[i]), np.asarray(want), what=f"{name} element {i}")
 
 
+def test_vmap_folds_rms_norm_rope_and_fp8_into_one_launch(rng, monkeypatch):
+    """jax.vmap of rms_norm_rope and of fp8 outputs is one launch over the batch (a leading token
+    dim); batched norm weights, shared by nothing, run per element; the cache write runs per
+    element. Every result equals the per-element call bit for bit (test above)."""
+    from cupyrope import execute
+
+    launches = []
+    real = execute.rotate
+    monkeypatch.setattr(execute, "rotate",
+                        lambda plan, outputs: launches.append(tuple(plan.q.shape))
+                        or real(plan, outputs))
+    N, T, H, D = 3, 5, 2, 32
+    xs, ks, vs = random(rng, (N, T, H, D)), random(rng, (N, T, 1, D)), random(rng, (N, T, 1, D))
+    w = jnp.asarray(rng.uniform(0.5, 1.5, D).astype(np.float32))
+    ws = jnp.stack([w, w * 0.5, w * 2.0])
+    positions = jnp.asarray(rng.integers(0, 100, (N, T)).astype(np.int32))
+    shared_k = jnp.asarray(ks[0])
+
+    jax.vmap(lambda x, p: cr.rms_norm_rope(x, shared_k, w, w, p, eps=EPS))(xs, positions)
+    assert launches == [(N, T, H, D)], launches
+    launches.clear()
+    jax.vmap(lambda x, p: cr.apply_rope(x, positions=p, out_dtype="float8_e4m3fn",
+                                        q_scale=0.5))(xs, positions)
+    assert launches == [(N, T, H, D)], launches
+    launches.clear()
+    out = jax.vmap(lambda x, p, w: cr.rms_norm_rope(x, None, w, None, p, eps=EPS))(xs, positions,
+                                                                                   ws)
+    assert launches == [(T, H, D)] * N, launches
+    for i in range(N):
+        assert_bits_equal(np.asarray(out[i]), np.asarray(
+            cr.rms_norm_rope(jnp.asarray(xs[i]), None, ws[i], None, positions[i], eps=EPS)),
+            what=f"batched weights, element {i}")
+    launches.clear()
+    slots = jnp.asarray(np.stack([rng.permutation(8)[:T] for _ in range(N)]).astype(np.int32))
+    caches = jnp.asarray(rng.standard_normal((N, 4, 2, 1, D)).astype(np.float32))
+    jax.vmap(lambda x, k, v, p, c, s: cr.rope_and_cache(x, k, v, p, c, c, s, inplace=False))(
+        xs, ks, vs, positions, caches, slots)
+    assert launches == [(T, H, D)] * N, launches
+
+
 # ----------------------------------------------------------------------------------------------
 # jax.grad
 
