@@ -280,3 +280,20 @@ def test_numpy_and_bare_dlpack_producer(dtype, randn, rng):
     for o, x in zip(out, (q_np, k_np)):
         assert o.dtype == x.dtype and o.shape == x.shape
         check_against_reference(o, x, np.arange(T), "computed", interleaved=False, D=D)
+
+
+def test_wrapper_tensors_are_left_to_the_full_path():
+    """A torch tensor subclass that intercepts dispatch (FakeTensor here, DTensor in
+    tests/test_dtensor.py) has no storage of its own: the repeat-call key, which reads data
+    pointers, never takes it, even on a CUDA device (faked: no GPU needed)."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cupyrope import arrays, recipes
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 8, device="cuda")
+    assert q.device.type == "cuda"
+    assert arrays.gpu_array_key(q) is None
+    options = (10000.0, None, False, None, False, False, None)
+    assert recipes.call_key(q, None, None, None, None, None, options) is None
