@@ -22,7 +22,7 @@ from cupyrope import bench as bm
 DECODE_IMPLS = (
     "copy", "cupyrope-cache", "cupyrope-cache-inplace", "cupyrope-cache-out", "cupyrope-computed",
     "cupyrope-tables",
-) + bm.PEER_IMPLS
+) + bm.COMPAT_IMPLS + bm.PEER_IMPLS
 
 CASES = [pytest.param(tokens, impl, id=f"T{tokens}-{impl}")
          for tokens in bm.DECODE_TOKENS for impl in DECODE_IMPLS]

@@ -186,3 +186,22 @@ def test_decode_and_host_targets_are_the_contracts_ratios():
     assert host("cupyrope-cache-inplace") == host("cupyrope-cache-out") == 1.2
     assert host("cupyrope-cache") == host("cupyrope-computed") == 1.5
     assert host("copy") is None and host("torch-compile-hf") is None
+
+
+def test_vllm_adapter_workload_rotates_in_place_like_apply_rope():
+    """``cupyrope-vllm-inplace`` (decode and host benchmarks): compat.rotary_embedding on flat
+    [T, H * D] views of the data, in place, with the values of apply_rope in place."""
+    torch = pytest.importorskip("torch")
+    from cupyrope.bench import workloads
+
+    data = workloads.RopeData(workloads.RopeShape(tokens=3, max_position=64), device="cpu")
+    work = workloads.make_workload("cupyrope-vllm-inplace", data)
+    plain = workloads.make_workload("cupyrope-cache", data)
+    for args, plain_args in zip(work.arg_sets, plain.arg_sets):
+        expected = plain.fn(*plain_args)  # out of place: the data are untouched
+        q, k = args[0].clone(), args[1].clone()
+        q_out, k_out = work.fn(q, k, *args[2:])
+        assert q_out is q and q.dim() == 2
+        assert torch.equal(q_out.view(expected[0].shape), expected[0])
+        assert torch.equal(k_out.view(expected[1].shape), expected[1])
+    assert workloads.host_target_ratio("cupyrope-vllm-inplace") == 1.2

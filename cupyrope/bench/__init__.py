@@ -23,13 +23,14 @@ from .clocks import (GPU_CLOCK, GRAPH_CALLS, HOST_LOOP, capture_graph, device_na
                      graph_time_us, host_time_us, input_sets_for, plan_batches, synced_wall_clock)
 from .peers import Unavailable, compiled_hf_rope, hf_rope, liger_rope, peer_status
 from .sweep import Row, format_table, reference_sweep
-from .workloads import (ALL_IMPLS, CHECK_TOLERANCE, CUPYROPE_IMPLS, DECODE_TARGET_RATIO,
-                        DECODE_TOKENS, HOST_TARGET_RATIO, PEER_IMPLS, REFERENCE_TOKENS, RopeData,
-                        RopeShape, Workload, decode_target_ratio, error_is_acceptable,
-                        host_target_ratio, make_workload, max_abs_error, sm_copy)
+from .workloads import (ALL_IMPLS, CHECK_TOLERANCE, COMPAT_IMPLS, CUPYROPE_IMPLS,
+                        DECODE_TARGET_RATIO, DECODE_TOKENS, HOST_TARGET_RATIO, PEER_IMPLS,
+                        REFERENCE_TOKENS, RopeData, RopeShape, Workload, decode_target_ratio,
+                        error_is_acceptable, host_target_ratio, make_workload, max_abs_error,
+                        sm_copy)
 
 __all__ = [
-    "ALL_IMPLS", "CHECK_TOLERANCE", "CUPYROPE_IMPLS", "DECODE_TARGET_RATIO", "DECODE_TOKENS",
+    "ALL_IMPLS", "CHECK_TOLERANCE", "COMPAT_IMPLS", "CUPYROPE_IMPLS", "DECODE_TARGET_RATIO", "DECODE_TOKENS",
     "GPU_CLOCK", "GRAPH_CALLS", "HOST_LOOP", "HOST_TARGET_RATIO", "PEER_IMPLS", "REFERENCE_TOKENS",
     "RopeData", "RopeShape", "Row", "Unavailable", "Workload", "capture_graph", "compiled_hf_rope",
     "decode_target_ratio", "device_name", "error_is_acceptable", "host_target_ratio", "format_table", "gpu_time_us", "graph_time_us", "host_time_us", "hf_rope",

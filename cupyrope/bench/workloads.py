@@ -67,11 +67,14 @@ CUPYROPE_IMPLS = (
     "cupyrope-computed", "cupyrope-computed-inplace",
     "cupyrope-tables", "cupyrope-tables-inplace",
 )
+# The drop-in adapters, timed like the calls they stand for (decode and host benchmarks): vLLM's
+# rotary_embedding on flat [T, H * D] q and k, in place.
+COMPAT_IMPLS = ("cupyrope-vllm-inplace",)
 PEER_IMPLS = (
     "torch-eager-hf", "torch-compile-hf", "liger-inplace",
     "flashinfer-cache", "flashinfer-cache-inplace", "flashinfer-computed",
 )
-ALL_IMPLS = ("copy",) + CUPYROPE_IMPLS + PEER_IMPLS
+ALL_IMPLS = ("copy",) + CUPYROPE_IMPLS + COMPAT_IMPLS + PEER_IMPLS
 # The reference sweep: cupyrope cache out of place / in place, computed angles, per-token tables;
 # then every peer that imports.
 SWEEP_IMPLS = ("cupyrope-cache", "cupyrope-cache-inplace", "cupyrope-computed", "cupyrope-tables") + PEER_IMPLS
@@ -260,9 +263,18 @@ def make_workload(impl: str, data: RopeData) -> Workload:
             def fn(q, k, cos, sin):
                 return cr.apply_rope(q, k, cos=cos, sin=sin, rotary_dim=s.rot, **options)
             sets = [(q, k, c, sn) for q, k, (c, sn) in zip(data.q, data.k, data.half_tables)]
+        elif source == "vllm":  # compat.rotary_embedding: flat [T, H * D] views, in place
+            from cupyrope.compat import vllm
+
+            def fn(q, k, positions, cache):
+                vllm.rotary_embedding(positions, q, k, s.head_dim, cache, not s.interleaved)
+                return q, k
+            sets = [(q.view(q.shape[0], -1), k.view(k.shape[0], -1), p, data.cache)
+                    for q, k, p in q_k_pos]
         else:
             raise ValueError(f"unknown implementation {impl!r}")
-        return Workload(impl, fn, sets, data.bytes_moved(source))
+        # The adapter reads and writes what the cache source does.
+        return Workload(impl, fn, sets, data.bytes_moved("cache" if source == "vllm" else source))
 
     if impl not in PEER_IMPLS:
         raise ValueError(f"unknown implementation {impl!r}; known: {ALL_IMPLS}")
