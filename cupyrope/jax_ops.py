@@ -357,10 +357,8 @@ def _per_element(rope, axis_size, in_batched, q, k, tables):
     """A vmapped rotation one element at a time (what cannot fold into the token dims)."""
     args = (q, k, tuple(tables))
     in_batched = (in_batched[0], in_batched[1], tuple(in_batched[2]))
-    batched = jax.tree_util.tree_map(
-        lambda x, b: x if x is None or b else jnp.broadcast_to(x, (axis_size, *x.shape)), args,
-        in_batched,
-        is_leaf=lambda x: x is None)
+    batched = jax.tree_util.tree_map(lambda x, b: x if x is None else _leading(x, b, axis_size),
+                                     args, in_batched, is_leaf=lambda x: x is None)
     q_out, k_out = jax.lax.map(lambda element: rope(*element), batched)
     return (q_out, k_out), (True, None if k is None else True)
 

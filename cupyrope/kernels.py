@@ -208,12 +208,10 @@ def angle_arithmetic(device_id: int) -> str:
 def _kernel_arithmetic(spec: KernelSpec, device_id: int) -> str | None:
     """The arithmetic ``spec`` is compiled with on ``device_id``: None where the choice changes
     nothing (table-read angles, float64 q/k), so that those binaries never depend on it."""
-    setting = _setting_in_use()  # a bad value raises whatever the kernel
+    _setting_in_use()  # a bad value raises whatever the kernel
     if spec.source != AngleSource.COMPUTED or spec.dtype == "float64":
         return None
-    if setting != "auto":
-        return setting
-    return arithmetic_for_capability(*_compute_capability(device_id))
+    return angle_arithmetic(device_id)
 
 
 def compile_options(arithmetic: str | None = None) -> tuple[str, ...]:

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from . import dependent_launch
 from .abi import (DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, MAX_TOKEN_DIMS, PARAMS_DTYPE,
                   THREADS_PER_BLOCK, AngleSource, StoreFormat, WeightDtype, access_layout)
-from . import dependent_launch
 from .arrays import ArrayInfo, cupy_module, stream_is_capturing, upload
 from .dtypes import ITEMSIZE
 from .fusion import STORE_FORMATS

@@ -81,7 +81,6 @@ under ``torch.no_grad()`` (or on detached tensors) both run, and trace under tor
 from __future__ import annotations
 
 import sys
-
 from dataclasses import dataclass, field
 
 import torch

@@ -30,10 +30,11 @@ from .workloads import (ALL_IMPLS, CHECK_TOLERANCE, COMPAT_IMPLS, CUPYROPE_IMPLS
                         sm_copy)
 
 __all__ = [
-    "ALL_IMPLS", "CHECK_TOLERANCE", "COMPAT_IMPLS", "CUPYROPE_IMPLS", "DECODE_TARGET_RATIO", "DECODE_TOKENS",
-    "GPU_CLOCK", "GRAPH_CALLS", "HOST_LOOP", "HOST_TARGET_RATIO", "PEER_IMPLS", "REFERENCE_TOKENS",
-    "RopeData", "RopeShape", "Row", "Unavailable", "Workload", "capture_graph", "compiled_hf_rope",
-    "decode_target_ratio", "device_name", "error_is_acceptable", "host_target_ratio", "format_table", "gpu_time_us", "graph_time_us", "host_time_us", "hf_rope",
-    "input_sets_for", "liger_rope", "make_workload", "max_abs_error", "peer_status", "plan_batches",
-    "reference_sweep", "sm_copy", "synced_wall_clock",
+    "ALL_IMPLS", "CHECK_TOLERANCE", "COMPAT_IMPLS", "CUPYROPE_IMPLS", "DECODE_TARGET_RATIO",
+    "DECODE_TOKENS", "GPU_CLOCK", "GRAPH_CALLS", "HOST_LOOP", "HOST_TARGET_RATIO", "PEER_IMPLS",
+    "REFERENCE_TOKENS", "capture_graph", "compiled_hf_rope", "decode_target_ratio", "device_name",
+    "error_is_acceptable", "format_table", "gpu_time_us", "graph_time_us", "hf_rope",
+    "host_target_ratio", "host_time_us", "input_sets_for", "liger_rope", "make_workload",
+    "max_abs_error", "peer_status", "plan_batches", "reference_sweep", "RopeData", "RopeShape",
+    "Row", "sm_copy", "synced_wall_clock", "Unavailable", "Workload",
 ]
