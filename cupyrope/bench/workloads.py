@@ -328,8 +328,12 @@ def max_abs_error(workload: Workload, data: RopeData) -> float:
     """Largest |output - float32 reference| of one call on copies of set 0 (NaN counts as inf)."""
     args = list(workload.arg_sets[0])
     q, k = args[0].clone(), args[1].clone()  # in-place workloads write here, not into the data
-    ref_q = reference_rope(q, data.positions[0], data.cache, interleaved=data.shape.interleaved)
-    ref_k = reference_rope(k, data.positions[0], data.cache, interleaved=data.shape.interleaved)
+    # The reference rotates the data's own [T, H, D] arrays: a workload may take them in another
+    # shape (the vLLM adapter's flat [T, H * D] views).
+    ref_q = reference_rope(data.q[0], data.positions[0], data.cache,
+                           interleaved=data.shape.interleaved)
+    ref_k = reference_rope(data.k[0], data.positions[0], data.cache,
+                           interleaved=data.shape.interleaved)
     out = workload.fn(q, k, *args[2:])
     errors = []
     for got, ref in ((out[0], ref_q), (out[1], ref_k)):
