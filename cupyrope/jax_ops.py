@@ -9,26 +9,44 @@ concrete JAX arrays outside any transformation keep the DLPack path of ``cupyrop
 
 How a traced call runs
 ----------------------
-Each op is one ``jax.experimental.buffer_callback`` (JAX >= 0.7): XLA hands a Python callback
-its own device buffers and, on GPU, its compute stream. The callback runs the same code as every
-other call (argument checks, then the CUDA kernel or the NumPy path: ``execute.rotate``) reading
-the input buffers and writing the output buffers where XLA placed them. So under ``jax.jit``:
+Each op binds one JAX primitive: ``cupyrope_rope`` (apply_rope) or ``cupyrope_fused``
+(rms_norm_rope, fp8 outputs, rope_and_cache). Their params are the hashable static options
+(:class:`_Static` / :class:`_Fused`) and which optional arrays are present, so a lowering can plan
+the whole call from the params and the operands' shapes. Each platform lowers them its own way:
 
-- on GPU the kernel is launched on XLA's stream, on XLA's buffers: nothing is copied through the
-  host and nothing synchronises (the first call of a frequency schedule uploads its float64
-  ``inv_freq`` once, synchronising that once);
-- on CPU the NumPy path writes into XLA's output buffers;
-- Python runs at every execution (like ``jax.pure_callback``, without its copies): each call costs
-  the host time of an eager call, XLA does not fuse across it, and it is not captured into XLA's
-  CUDA graphs (command buffers); ``jax.export`` cannot serialise it;
-- ``jax.vmap`` of ``apply_rope``, ``rms_norm_rope`` and fp8 outputs is one callback for the
+- XLA's CPU (and any platform without a rule of its own): the jax.numpy formulation of
+  :mod:`cupyrope.jax_lowering`, with the NumPy path's semantics (every angle source, M-RoPE, fused
+  RMSNorm, fp8 stores, the paged-cache write). XLA compiles and fuses it like any jnp code, no
+  Python runs per execution, and ``jax.export`` serialises it. Computed angles are float64 with
+  ``jax_enable_x64`` and an exact fixed-point reduction in 32-bit integers without it (see that
+  module). XLA may contract products into fused multiply-adds, so results can differ from the
+  eager NumPy path's by an ulp (both within the accuracy contract).
+- "cuda" / "rocm": :func:`_gpu_lowering`, the hook for a native XLA custom call. For now it
+  lowers to a ``jax.experimental.buffer_callback`` (JAX >= 0.7): XLA hands a Python callback its
+  own device buffers and compute stream, and the callback runs the CUDA kernel there (nothing is
+  copied or synchronised; Python runs at every execution, XLA does not fuse across it, and
+  ``jax.export`` cannot serialise it).
+- ``validate=True`` reads values when the call runs: such calls keep the callback on every
+  platform (on the CPU the NumPy path writes XLA's output buffers).
+- ``jax.vmap`` of ``apply_rope``, ``rms_norm_rope`` and fp8 outputs is one primitive call for the
   whole batch: a ``custom_vmap`` rule makes the batch a leading token dim (``_batched_rope``,
   ``_batched_fused``); a batched cos/sin cache, weights or scales, or M-RoPE positions, run once
-  per element, and so does ``rope_and_cache`` (``vmap_method="sequential"``).
+  per element, and so does ``rope_and_cache`` (the primitives' batching rule, ``jax.lax.map``).
 
-fp8 arrays (fp8 outputs, fp8 caches) cross the callback as their bits (uint8 buffers, bitcast by
-XLA on either side, which costs nothing): XLA's buffers offer no CUDA array interface for fp8, and
-the kernels are told the format, as for CuPy's uint8 fp8 arrays.
+Sharding
+--------
+Every call but ``rope_and_cache`` and ``validate=True`` is wrapped in a
+``jax.experimental.custom_partitioning`` (:func:`_partition`, with a Shardy rule): under
+``jax.jit`` with q / k sharded over token dims or heads on a ``Mesh``, each device runs the
+primitive on its own shard, with positions and per-token tables sharded like q's tokens and the
+cos/sin cache, weights and scales replicated (no collective). What cannot be shard-local is
+replicated (gathered) instead: head_dim, dims a mesh axis does not divide, k's heads where the
+axis does not divide Hk, and the last token dim when positions are the implicit arange along it.
+``rope_and_cache`` and validating calls are not partitioned: XLA runs them on replicated operands.
+
+fp8 arrays cross the callback as their bits (uint8 buffers, bitcast by XLA on either side, which
+costs nothing): XLA's buffers offer no CUDA array interface for fp8, and the kernels are told the
+format, as for CuPy's uint8 fp8 arrays.
 
 Argument errors are raised while tracing (the checks run on the traced shapes and dtypes), with
 the same exception types and messages as eager calls. ``validate=True`` reads positions (and slots)
@@ -40,10 +58,10 @@ IndexError's message, when the computation runs. Options that are not arrays (``
 Gradients (``custom_vjp``)
 --------------------------
 - ``apply_rope``: the gradient of a rotation is the inverse rotation of the cotangent, so the
-  backward pass is the same callback with ``inverse`` flipped, for q and k in one launch.
+  backward pass is the same primitive with ``inverse`` flipped, for q and k in one launch.
 - ``rms_norm_rope`` (q, k, q_weight, k_weight): per head, in float32, ``r = rsqrt(mean(x**2) +
   eps)``, ``n = x * r``, ``w' = weight_offset + w``, ``y = rotate(n * w')``. Backward from ``g_y``:
-  ``g = rotate⁻¹(g_y)`` (the inverse-rotation callback, q and k in one launch), ``g_w = sum(g * n)``
+  ``g = rotate⁻¹(g_y)`` (the inverse-rotation primitive, q and k in one launch), ``g_w = sum(g * n)``
   over the token and head dims, ``g_n = g * w'``, ``g_x = r * (g_n - n * mean(g_n * n))`` (jnp).
 - Positions, tables, scales, v, the caches and slots get no cotangent (zero), as in the torch path.
 - fp8 outputs have no gradient and ``rope_and_cache`` has none here: differentiating either raises
@@ -53,7 +71,7 @@ The KV cache on JAX
 -------------------
 JAX arrays are immutable, so ``rope_and_cache`` on JAX arrays (concrete or traced) is functional:
 it returns ``(q_out, k_out, k_cache_new, v_cache_new)`` and leaves its arguments unchanged. The new
-caches are the callback's outputs aliased to the input caches (``input_output_aliases``): XLA
+caches are a scatter into the input caches (CPU) or the callback's outputs aliased to them: XLA
 updates a cache in place when the caller donates it (``jax.jit(..., donate_argnums=...)``) and
 copies it first otherwise, so the rows no slot names always equal the input cache's. q and k are
 not rotated in place: the call needs ``inplace=False`` (the default ``inplace=True`` raises
@@ -69,9 +87,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import execute
+from jax.interpreters import mlir
+
+from . import execute, jax_lowering
 from .arrays import cupy_module, cupy_view_of_buffer, describe, describe_traced, on_gpu_buffer
-from .dtypes import FP8_DTYPES, dtype_name
+from .dtypes import FP8_DTYPES, dtype_name, numpy_dtype
 from .fusion import plan_fused
 from .plan import check_values, plan_rope
 from .scaling import Scaling
@@ -156,7 +176,7 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
 def run_fused(where, q, k, positions, *, rope: dict, fusion: dict, validate: bool):
     """A fused op (``rms_norm_rope``, ``rope_and_cache``, ``apply_rope(out_dtype=...)``) with a
     JAX tracer among its arguments, or a ``rope_and_cache`` on JAX arrays: checked now, run by one
-    buffer_callback (see the module docstring). Returns what :func:`cupyrope.execute.run_fused`
+    primitive (see the module docstring). Returns what :func:`cupyrope.execute.run_fused`
     returns, with new caches in place of the written ones."""
     inplace = rope["inplace"]
     if where == "rope_and_cache" and isinstance(inplace, (bool, np.bool_)) and inplace:
@@ -315,7 +335,7 @@ def _batched_rope(static: _Static):
 
     @custom_vmap
     def rope(q, k, tables):
-        return _callback_call(static, q, k, tables)
+        return _rope_call(static, q, k, tables)
 
     @rope.def_vmap
     def rule(axis_size, in_batched, q, k, tables):
@@ -325,14 +345,14 @@ def _batched_rope(static: _Static):
         positions_batched, cache_batched, cos_batched, sin_batched = tables_batched
         mrope = positions is not None and positions.ndim - positions_batched > token_ndim
         if cache_batched or mrope:
-            return _per_element(rope, axis_size, in_batched, q, k, tables)
+            return _rotation_per_element(rope, axis_size, in_batched, q, k, tables)
 
         q_all = _leading(q, q_batched, axis_size)
         k_all = None if k is None else _leading(k, k_batched, axis_size)
         folded = (_aligned(positions, positions_batched, 0, token_ndim), cache,
                   _aligned(cos, cos_batched, 1, token_ndim),
                   _aligned(sin, sin_batched, 1, token_ndim))
-        q_out, k_out = _callback_call(static, q_all, k_all, folded)
+        q_out, k_out = _rope_call(static, q_all, k_all, folded)
         return (q_out, k_out), (True, None if k is None else True)
 
     return rope
@@ -353,7 +373,7 @@ def _aligned(x, batched, trailing: int, token_ndim: int):
     return x.reshape(x.shape[:1] + (1,) * missing + x.shape[1:])
 
 
-def _per_element(rope, axis_size, in_batched, q, k, tables):
+def _rotation_per_element(rope, axis_size, in_batched, q, k, tables):
     """A vmapped rotation one element at a time (what cannot fold into the token dims)."""
     args = (q, k, tuple(tables))
     in_batched = (in_batched[0], in_batched[1], tuple(in_batched[2]))
@@ -472,7 +492,7 @@ def _fused_call(fused: _Fused, arrays: tuple) -> tuple:
     folds into the token dims (:func:`_batched_fused`); the cache write runs per element (its
     caches and slots have no token dims to fold into)."""
     if any(name in fused.names for name in _CACHES):
-        return _fused_callback_call(fused, arrays)
+        return _fused_primitive_call(fused, arrays)
     return _batched_fused(fused)(arrays)
 
 
@@ -490,7 +510,7 @@ def _batched_fused(fused: _Fused):
 
     @custom_vmap
     def call(arrays):
-        return _fused_callback_call(fused, arrays)
+        return _fused_primitive_call(fused, arrays)
 
     @call.def_vmap
     def rule(axis_size, in_batched, arrays):
@@ -511,7 +531,7 @@ def _batched_fused(fused: _Fused):
                     return _leading(x, batched[name], axis_size)
                 return _aligned(x, batched[name], _PER_TOKEN[name], token_ndim)
 
-            outs = _fused_callback_call(fused, tuple(folded(n, x) for n, x in named.items()))
+            outs = _fused_primitive_call(fused, tuple(folded(n, x) for n, x in named.items()))
         return outs, tuple(True for _ in outs)
 
     return call
@@ -585,3 +605,337 @@ def _output_info(out, out_dtype: str | None):
     if out_dtype is not None:
         info.dtype = out_dtype
     return info
+
+
+# ----------------------------------------------------------------------------------------------
+# The primitives: what a traced call binds, and how each platform lowers it
+
+
+def _primitive(name: str, abstract_eval):
+    from jax._src import dispatch
+    from jax.extend.core import Primitive
+
+    primitive = Primitive(name)
+    primitive.multiple_results = True
+    primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
+    primitive.def_abstract_eval(abstract_eval)
+    return primitive
+
+
+def _rope_abstract_eval(*avals, static: _Static, present: tuple[bool, ...]):
+    """q_out (and k_out): the shapes and dtypes of q (and k)."""
+    return [jax.core.ShapedArray(x.shape, x.dtype) for x in avals[:1 + present[0]]]
+
+
+def _fused_abstract_eval(*avals, fused: _Fused):
+    """q_out (k_out) in the fp8 out_dtype or their own, then the new caches (the input caches')."""
+    named = dict(zip(fused.names, avals))
+    out_dtype = dict(fused.options)["out_dtype"]
+    outs = [jax.core.ShapedArray(named[name].shape,
+                                 named[name].dtype if out_dtype is None else numpy_dtype(out_dtype))
+            for name in ("q", "k") if name in named]
+    return outs + [jax.core.ShapedArray(named[name].shape, named[name].dtype)
+                   for name in _CACHES if name in named]
+
+
+# cupyrope_rope: operands q, then those of k, positions, cos_sin_cache, cos, sin that ``present``
+# marks; params ``static`` (_Static), ``present`` (5 bools). Results q_out (, k_out).
+_rope_p = _primitive("cupyrope_rope", _rope_abstract_eval)
+# cupyrope_fused: operands the arrays of ``fused.names`` in that order (fp8 arrays as they are);
+# param ``fused`` (_Fused). Results q_out (, k_out) (, k_cache_new, v_cache_new).
+_fused_p = _primitive("cupyrope_fused", _fused_abstract_eval)
+
+
+def _rope_operands(static: _Static, q, k, tables):
+    present = tuple(x is not None for x in (k, *tables))
+    return [x for x in (q, k, *tables) if x is not None], dict(static=static, present=present)
+
+
+def _rope_call(static: _Static, q, k, tables):
+    """(q_out, k_out or None) through one ``cupyrope_rope``, partitionable (see "Sharding")."""
+    operands, params = _rope_operands(static, q, k, tables)
+    outs = _bind("rope", params, operands, partitioned=not static.validate)
+    return outs[0], (outs[1] if k is not None else None)
+
+
+def _fused_primitive_call(fused: _Fused, arrays: tuple) -> tuple:
+    """The outputs of a fused call through one ``cupyrope_fused``; partitionable unless it writes
+    a cache (see "Sharding")."""
+    partitioned = not fused.rope.validate and not any(name in fused.names for name in _CACHES)
+    return tuple(_bind("fused", dict(fused=fused), list(arrays), partitioned=partitioned))
+
+
+def _named_operands(present: tuple[bool, ...], operands) -> dict:
+    """The rotation's operands by name (absent ones None)."""
+    it = iter(operands)
+    q = next(it)
+    return dict(q=q, **{name: next(it) if here else None
+                        for name, here in zip(("k", *_ARGUMENTS[2:]), present)})
+
+
+def _rope_jnp(*operands, static: _Static, present: tuple[bool, ...]):
+    """cupyrope_rope as jax.numpy (:mod:`cupyrope.jax_lowering`), planned from the shapes."""
+    named = _named_operands(present, operands)
+    plan = plan_rope(*(None if named[name] is None else describe_traced(named[name], name)
+                       for name in _ARGUMENTS[:3]),
+                     **{name: None if named[name] is None else describe_traced(named[name], name)
+                        for name in _TABLES},
+                     **static.call_options())
+    outs = jax_lowering.rotate(plan, *(named[name] for name in _ARGUMENTS))
+    return [x for x in outs if x is not None]
+
+
+def _rope_callback_outputs(*operands, static: _Static, present: tuple[bool, ...]):
+    """cupyrope_rope through the buffer_callback (GPU, and validate=True on any platform)."""
+    named = _named_operands(present, operands)
+    q_out, k_out = _callback_call(static, named["q"], named["k"],
+                                  tuple(named[name] for name in _ARGUMENTS[2:]))
+    return [q_out] + ([k_out] if k_out is not None else [])
+
+
+def _fused_jnp(*arrays, fused: _Fused):
+    """cupyrope_fused as jax.numpy (:mod:`cupyrope.jax_lowering`), planned from the shapes."""
+    named = dict(zip(fused.names, arrays))
+    options = dict(fused.options)
+    infos = {name: _planning_info(x, name, read=False) for name, x in named.items()}
+    plan = _plan(fused.where, fused.rope, options, infos, validate=False)
+    scales = {name: named.get(name, options.get(name)) for name in _SCALES}
+    return list(jax_lowering.fused(
+        plan, *(named.get(name) for name in _ARGUMENTS),
+        **{name: named.get(name) for name in _FUSED_ARRAYS}, scales=scales))
+
+
+def _fused_callback_outputs(*arrays, fused: _Fused):
+    return list(_fused_callback_call(fused, arrays))
+
+
+def _lower_rope(ctx, *operands, static: _Static, present: tuple[bool, ...]):
+    """cupyrope_rope on XLA's CPU (and any platform without a lowering of its own): jax.numpy;
+    validate=True reads positions when the call runs, so it keeps the callback."""
+    body = _rope_callback_outputs if static.validate else _rope_jnp
+    return mlir.lower_fun(functools.partial(body, static=static, present=present),
+                          multiple_results=True)(ctx, *operands)
+
+
+def _lower_fused(ctx, *arrays, fused: _Fused):
+    """cupyrope_fused on XLA's CPU: as :func:`_lower_rope`."""
+    body = _fused_callback_outputs if fused.rope.validate else _fused_jnp
+    return mlir.lower_fun(functools.partial(body, fused=fused),
+                          multiple_results=True)(ctx, *arrays)
+
+
+def _gpu_lowering(kind: str, ctx, *operands, **params):
+    """The lowering of a cupyrope primitive on a GPU ("cuda", "rocm"): the hook that a native XLA
+    custom call replaces.
+
+    ``kind`` "rope": ``operands`` q, then k, positions, cos_sin_cache, cos, sin where
+    ``params["present"]`` (5 bools, in that order) marks them; ``params["static"]`` is the
+    :class:`_Static` options. ``kind`` "fused": ``operands`` the arrays of
+    ``params["fused"].names`` (a :class:`_Fused`: the op, its rotation's _Static, its canonical
+    options, fp8 arrays as fp8); results q_out (k_out) then the new caches, which a lowering
+    aliases to the input caches. ``ctx.avals_in`` / ``ctx.avals_out`` give every shape and dtype,
+    so the launch can be planned here (``plan_rope`` / ``_plan`` on ``describe_traced`` infos).
+    Returns the results' IR values.
+
+    For now: the buffer_callback route, on XLA's buffers and stream."""
+    body = _rope_callback_outputs if kind == "rope" else _fused_callback_outputs
+    return mlir.lower_fun(functools.partial(body, **params), multiple_results=True)(ctx, *operands)
+
+
+def _per_element(primitive, args, dims, **params):
+    """The batching rule of both primitives: one call per element (``jax.lax.map``). The
+    custom_vmap rules fold what can be folded before a primitive sees a batch; what reaches here
+    (rope_and_cache, whose caches and slots have no token dims) runs per element."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    leading = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+               for a, d in zip(args, dims)]
+    outs = jax.lax.map(lambda element: primitive.bind(*element, **params), leading)
+    return outs, [0] * len(outs)
+
+
+def _register_lowerings() -> None:
+    from jax.interpreters import batching
+
+    for primitive in (_rope_p, _fused_p):
+        batching.primitive_batchers[primitive] = functools.partial(_per_element, primitive)
+    mlir.register_lowering(_rope_p, _lower_rope)
+    mlir.register_lowering(_fused_p, _lower_fused)
+    for platform in ("cuda", "rocm"):
+        # Looked up when a call is lowered, so that replacing _gpu_lowering takes effect.
+        mlir.register_lowering(_rope_p, lambda ctx, *operands, **params: _gpu_lowering(
+            "rope", ctx, *operands, **params), platform=platform)
+        mlir.register_lowering(_fused_p, lambda ctx, *operands, **params: _gpu_lowering(
+            "fused", ctx, *operands, **params), platform=platform)
+
+
+_register_lowerings()
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharding: a custom_partitioning around each primitive call
+
+
+class _Bound(NamedTuple):
+    """One primitive call, hashable (custom_partitioning's static argument): which primitive,
+    its params as sorted items, and the names of its operands in order."""
+
+    kind: str  # "rope" or "fused"
+    params: tuple[tuple[str, object], ...]
+    names: tuple[str, ...]
+
+    def bind(self, operands) -> tuple:
+        primitive = _rope_p if self.kind == "rope" else _fused_p
+        return tuple(primitive.bind(*operands, **dict(self.params)))
+
+    @property
+    def implicit_positions(self) -> bool:
+        """Positions are an arange along the last token dim (computed or cache angles without
+        positions): a shard of that dim would restart it."""
+        return "positions" not in self.names and "cos" not in self.names
+
+
+def _bind(kind: str, params: dict, operands: list, *, partitioned: bool) -> tuple:
+    if kind == "rope":
+        present = params["present"]
+        names = ("q",) + tuple(n for n, here in zip(("k", *_ARGUMENTS[2:]), present) if here)
+    else:
+        names = params["fused"].names
+    bound = _Bound(kind, tuple(sorted(params.items())), names)
+    if not partitioned:
+        return bound.bind(operands)
+    return _partitioned_call()(bound, *operands)
+
+
+def _bound_call(bound: _Bound, *operands):
+    return bound.bind(operands)
+
+
+@functools.lru_cache(maxsize=1)
+def _partitioned_call():
+    """The custom_partitioning of every partitionable call: each shard runs the primitive on its
+    tokens and heads (see :func:`_partition`)."""
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    call = custom_partitioning(_bound_call, static_argnums=(0,))
+    call.def_partition(partition=_partition, sharding_rule=_sharding_rule,
+                       infer_sharding_from_operands=_infer_sharding,
+                       propagate_user_sharding=None)
+    return call
+
+
+# Arrays indexed per token, and how many trailing dims each has past the token dims; M-RoPE
+# positions also have a leading component dim.
+_TOKEN_ALIGNED = {"positions": 0, "cos": 1, "sin": 1}
+
+
+def _dims(bound: _Bound, shapes: dict) -> dict:
+    """For each operand, per dim, what it indexes: ("token", i), ("head", name) / ("head_dim",)
+    for q and k, or None (its own: replicated)."""
+    n = len(shapes["q"]) - 2
+    token_shape = shapes["q"][:n]
+    dims = {}
+    for name, shape in shapes.items():
+        if name in ("q", "k"):
+            dims[name] = tuple(("token", i) for i in range(n)) + (("head", name), ("head_dim",))
+        elif name in _TOKEN_ALIGNED:
+            trailing = _TOKEN_ALIGNED[name]
+            leading = 1 if name == "positions" and len(shape) > n and shape[0] == 3 and (
+                _is_mrope(bound)) else 0
+            core = shape[leading:len(shape) - trailing]
+            offset = n - len(core)
+            dims[name] = ((None,) * leading + tuple(
+                ("token", offset + i) if offset + i >= 0 and size == token_shape[offset + i]
+                and size != 1 else None for i, size in enumerate(core)) + (None,) * trailing)
+        else:
+            dims[name] = (None,) * len(shape)
+    return dims
+
+
+def _is_mrope(bound: _Bound) -> bool:
+    params = dict(bound.params)
+    static = params["static"] if bound.kind == "rope" else params["fused"].rope
+    scaling = static.scaling.as_dict() if static.scaling is not None else None
+    return bool(scaling and scaling.get("mrope_section") is not None)
+
+
+def _sharding_rule(bound: _Bound, mesh, operand_types, result_types):
+    """Shardy's rule: one factor per token dim (shared by q, k, positions and per-token tables),
+    heads of q and of k (two factors: their counts may differ), head_dim; everything else its
+    own factors. The implicit arange's token dim needs replication."""
+    from jax.experimental.custom_partitioning import SdyShardingRule
+    from jax._src.lib.mlir import ir
+
+    shapes = {name: tuple(ir.ShapedType(t).shape) for name, t in zip(bound.names, operand_types)}
+    dims = _dims(bound, shapes)
+
+    def factor(name, index, dim):
+        if dim is None:
+            return f"{name}_{index}"
+        return {"token": lambda: f"t{dim[1]}", "head": lambda: f"h_{dim[1]}",
+                "head_dim": lambda: "d"}[dim[0]]()
+
+    mappings = {name: tuple(factor(name, i, d) for i, d in enumerate(dims[name])) for name in dims}
+    outputs = tuple(mappings[name] for name in ("q", "k") if name in mappings)
+    replicated = [f"t{len(shapes['q']) - 3}"] if bound.implicit_positions and len(
+        shapes["q"]) > 2 else []
+    return SdyShardingRule(tuple(mappings[name] for name in bound.names), outputs,
+                           need_replication_factors=tuple(replicated + ["d"]))
+
+
+def _infer_sharding(bound: _Bound, mesh, arg_shapes, result_shape):
+    """GSPMD's propagation (when Shardy is off): the shardings :func:`_partition` would give."""
+    return _shardings(bound, mesh, arg_shapes)[1]
+
+
+def _partition(bound: _Bound, mesh, arg_shapes, result_shape):
+    """Each shard runs the primitive on its own tokens and heads: q's token and head shardings are
+    kept, k's heads shard alike where the mesh axes divide Hk, positions and per-token tables are
+    sharded along q's token dims, the cos/sin cache, weights and scales are replicated. Replicated
+    instead: head_dim, dims that a mesh axis does not divide, and the last token dim when
+    positions are the implicit arange along it (a shard would restart the arange)."""
+    arg_shardings, result_shardings = _shardings(bound, mesh, arg_shapes)
+
+    def shard(*operands):
+        return bound.bind(operands)
+
+    return mesh, shard, result_shardings, arg_shardings
+
+
+def _shardings(bound: _Bound, mesh, arg_shapes):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    shapes = {name: tuple(a.shape) for name, a in zip(bound.names, arg_shapes)}
+    q = arg_shapes[0]
+    if not isinstance(q.sharding, NamedSharding):
+        raise ValueError(f"{bound.kind}: sharded JAX calls need a NamedSharding over a Mesh, got "
+                         f"{type(q.sharding).__name__}")
+    q_spec = tuple(q.sharding.spec) + (None,) * (len(q.shape) - len(q.sharding.spec))
+
+    def axes_size(axes):
+        names = axes if isinstance(axes, tuple) else (axes,)
+        return int(np.prod([mesh.shape[a] for a in names]))
+
+    def kept(axes, size):
+        return axes if axes is not None and size % axes_size(axes) == 0 else None
+
+    n = len(q.shape) - 2
+    tokens = [kept(q_spec[i], q.shape[i]) for i in range(n)]
+    if bound.implicit_positions and n:
+        tokens[-1] = None
+    heads = q_spec[n]
+    dims = _dims(bound, shapes)
+
+    def spec(name):
+        out = []
+        for size, dim in zip(shapes[name], dims[name]):
+            if dim is None or dim[0] == "head_dim":
+                out.append(None)
+            elif dim[0] == "token":
+                out.append(tokens[dim[1]])
+            else:
+                out.append(kept(heads, size))
+        return NamedSharding(mesh, PartitionSpec(*out))
+
+    arg_shardings = tuple(spec(name) for name in bound.names)
+    result_shardings = tuple(spec(name) for name in ("q", "k") if name in shapes)
+    return arg_shardings, result_shardings

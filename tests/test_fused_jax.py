@@ -26,6 +26,7 @@ from backends import Backend, angle_source, backend_params, require  # noqa: E40
 from reference import reference_rope  # noqa: E402
 from test_fused import FP8, _assert_close, _cache_case, _cache_rows, _rms_norm64  # noqa: E402
 from test_jax_grad import jax_angles, jnp_rope, random  # noqa: E402
+from jax_route import assert_within_ulps, launches  # noqa: E402
 from tolerances import assert_bits_equal, np_dtype  # noqa: E402
 
 JAX = backend_params(["jax", "jax-gpu"])
@@ -93,7 +94,8 @@ def test_jit_rms_norm_rope_matches_the_reference_and_eager(backend, rng, dtype, 
         expected = reference_rope(_rms_norm64(host[name], host[f"{name}_weight"], EPS,
                                               weight_offset), interleaved=interleaved, **ref_kw)
         _assert_close(np.asarray(out), expected, dtype, f"{backend} jit {name}")
-        assert_bits_equal(np.asarray(out), np.asarray(again), what=f"jit vs eager {name}")
+        # RMSNorm's sum of squares is added in another order too
+        assert_within_ulps(out, again, host[name], what=f"jit vs eager {name}", ulps=2)
 
 
 @pytest.mark.parametrize("backend", JAX, indirect=True)
@@ -292,22 +294,15 @@ def test_vmap_equals_per_element_calls(backend, rng):
     for name, (call, args) in calls.items():
         batched = jax.tree.leaves(jax.vmap(call)(*args))
         for i in range(N):
-            single = jax.tree.leaves(call(*(x[i] for x in args)))
+            single = jax.tree.leaves(jax.jit(call)(*(x[i] for x in args)))
             for got, want in zip(batched, single):
                 assert_bits_equal(np.asarray(got[i]), np.asarray(want), what=f"{name} element {i}")
 
 
-def test_vmap_folds_rms_norm_rope_and_fp8_into_one_launch(rng, monkeypatch):
+def test_vmap_folds_rms_norm_rope_and_fp8_into_one_launch(rng):
     """jax.vmap of rms_norm_rope and of fp8 outputs is one launch over the batch (a leading token
     dim); batched norm weights, shared by nothing, run per element; the cache write runs per
     element. Every result equals the per-element call bit for bit (test above)."""
-    from cupyrope import execute
-
-    launches = []
-    real = execute.rotate
-    monkeypatch.setattr(execute, "rotate",
-                        lambda plan, outputs: launches.append(tuple(plan.q.shape))
-                        or real(plan, outputs))
     N, T, H, D = 3, 5, 2, 32
     xs, ks, vs = random(rng, (N, T, H, D)), random(rng, (N, T, 1, D)), random(rng, (N, T, 1, D))
     w = jnp.asarray(rng.uniform(0.5, 1.5, D).astype(np.float32))
@@ -315,26 +310,23 @@ def test_vmap_folds_rms_norm_rope_and_fp8_into_one_launch(rng, monkeypatch):
     positions = jnp.asarray(rng.integers(0, 100, (N, T)).astype(np.int32))
     shared_k = jnp.asarray(ks[0])
 
-    jax.vmap(lambda x, p: cr.rms_norm_rope(x, shared_k, w, w, p, eps=EPS))(xs, positions)
-    assert launches == [(N, T, H, D)], launches
-    launches.clear()
-    jax.vmap(lambda x, p: cr.apply_rope(x, positions=p, out_dtype="float8_e4m3fn",
-                                        q_scale=0.5))(xs, positions)
-    assert launches == [(N, T, H, D)], launches
-    launches.clear()
-    out = jax.vmap(lambda x, p, w: cr.rms_norm_rope(x, None, w, None, p, eps=EPS))(xs, positions,
-                                                                                   ws)
-    assert launches == [(T, H, D)] * N, launches
+    assert launches(jax.vmap(lambda x, p: cr.rms_norm_rope(x, shared_k, w, w, p, eps=EPS)),
+                    xs, positions) == [(N, T, H, D)]
+    assert launches(jax.vmap(lambda x, p: cr.apply_rope(x, positions=p, out_dtype="float8_e4m3fn",
+                                                        q_scale=0.5)), xs, positions) == [(N, T, H, D)]
+    per_weight = jax.vmap(lambda x, p, w: cr.rms_norm_rope(x, None, w, None, p, eps=EPS))
+    assert launches(per_weight, xs, positions, ws) == [(T, H, D)] * N
+    out = per_weight(xs, positions, ws)
+    single = jax.jit(lambda x, p, w: cr.rms_norm_rope(x, None, w, None, p, eps=EPS))
     for i in range(N):
-        assert_bits_equal(np.asarray(out[i]), np.asarray(
-            cr.rms_norm_rope(jnp.asarray(xs[i]), None, ws[i], None, positions[i], eps=EPS)),
-            what=f"batched weights, element {i}")
-    launches.clear()
+        assert_bits_equal(np.asarray(out[i]), np.asarray(single(jnp.asarray(xs[i]), positions[i],
+                                                                ws[i])),
+                          what=f"batched weights, element {i}")
     slots = jnp.asarray(np.stack([rng.permutation(8)[:T] for _ in range(N)]).astype(np.int32))
     caches = jnp.asarray(rng.standard_normal((N, 4, 2, 1, D)).astype(np.float32))
-    jax.vmap(lambda x, k, v, p, c, s: cr.rope_and_cache(x, k, v, p, c, c, s, inplace=False))(
-        xs, ks, vs, positions, caches, slots)
-    assert launches == [(T, H, D)] * N, launches
+    assert launches(jax.vmap(lambda x, k, v, p, c, s: cr.rope_and_cache(x, k, v, p, c, c, s,
+                                                                        inplace=False)),
+                    xs, ks, vs, positions, caches, slots) == [(T, H, D)] * N
 
 
 # ----------------------------------------------------------------------------------------------

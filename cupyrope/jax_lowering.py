@@ -1,0 +1,295 @@
+"""The jax.numpy formulation of cupyrope's ops: what a traced call becomes on XLA's CPU (and on any
+platform without a native lowering), with the semantics of the NumPy path (``numpy_path.py``).
+
+:mod:`cupyrope.jax_ops` lowers its primitives through these functions (``mlir.lower_fun``): each
+takes the checked plan of the call (a :class:`~cupyrope.plan.RopePlan` of the traced shapes, with
+the host's float64 ``inv_freq``) and the arrays, and returns the outputs as JAX values.
+
+Angles
+------
+- ``cos_sin_cache``: rows ``positions[t]`` (gathered), rows outside the cache give NaN cos/sin;
+  per-token ``cos`` / ``sin``: broadcast to the tokens, one entry per pair. No arithmetic: the
+  table's values in the compute dtype (float32, float64 for float64 inputs).
+- computed from ``theta`` / ``scaling``: with ``jax_enable_x64`` on, as the NumPy path does:
+  ``cos(position * inv_freq) * attention_factor`` in float64, rounded once to the compute dtype.
+  With x64 off (JAX's default) float64 does not exist on the device, so the angle is reduced in
+  fixed point with 32-bit integers (:func:`_turns_fraction`): ``inv_freq / 2pi`` modulo 1 is an
+  80-bit binary fraction computed on the host, exact from the float64 ``inv_freq``; its product
+  with the int32 position modulo 1 (the fraction of a turn) is formed exactly in 16-bit limbs; the
+  quarter turn nearest it gives the quadrant and the rest, at most 1/8 turn, times 2pi becomes the
+  float32 reduced angle, as a sum of exact products of 12-bit floats (a few roundings of ~2^-25
+  rad). Integer arithmetic and exact products round the same whatever XLA does with them: XLA's
+  CPU contracts ``a * b - c * d`` into fused multiply-adds (measured: jax 0.10.2), so float-float
+  products that rely on a rounded ``a * b`` (Dekker's two-product without fma) are not computed
+  as written, and the same jnp code compiled into two programs (one device, two shards) could
+  round differently.
+
+Rotation
+--------
+Each pair ``x1 * cos - x2 * sin``, ``x2 * cos + x1 * sin`` in the compute dtype, rounded once to
+the output dtype; dims past ``rotary_dim`` are copied. XLA may contract those products into fused
+multiply-adds (one rounding fewer than the NumPy path's), so results can differ from the NumPy
+path's by an ulp, both within the accuracy contract.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .abi import AngleSource
+from .dtypes import compute_dtype, numpy_dtype
+from .fusion import FP8_MAX
+from .mrope import MROPE_NONE, mrope_components
+from .plan import RopePlan
+
+# floor(2^192 / (2 pi)): 1 / (2 pi) as a 192-bit binary fraction.
+_INV_TWO_PI_192 = 0x28BE60DB9391054A7F09D5F47D4D377036D8A5664F10E410
+_FRACTION_LIMBS = 5  # inv_freq / 2pi modulo 1 in 16-bit limbs: 80 bits
+
+
+def _chunks_of_12_bits(value: float, count: int) -> tuple[np.float32, ...]:
+    """``value`` as ``count`` float32 of at most 12 significant bits each, leading first."""
+    chunks = []
+    for _ in range(count):
+        exponent = np.frexp(value)[1]
+        chunk = np.ldexp(np.trunc(np.ldexp(value, 12 - exponent)), exponent - 12)
+        chunks.append(np.float32(chunk))
+        value -= chunk
+    return tuple(chunks)
+
+
+_TWO_PI_CHUNKS = _chunks_of_12_bits(2 * np.pi, 3)  # 36 bits of 2pi
+# Adding and subtracting 1.5 * 2^18 rounds |x| < 2^7 to a multiple of 2^-5: 12 bits.
+_TWELVE_BITS_BELOW_2_7 = np.float32(1.5 * 2.0 ** 18)
+
+
+def rotate(plan: RopePlan, q, k, positions, cache, cos, sin):
+    """(q_out, k_out or None) of a plain rotation: q ``[..., Hq, D]``, k ``[..., Hk, D]``, in
+    their dtypes."""
+    cos_t, sin_t = cos_sin_per_token(plan, positions, cache, cos, sin)
+    return tuple(None if x is None else _rotated(plan, x, cos_t, sin_t).astype(x.dtype)
+                 for x in (q, k))
+
+
+def fused(plan: RopePlan, q, k, positions, cache, cos, sin, *, q_weight=None, k_weight=None,
+          scales=None, v=None, k_cache=None, v_cache=None, slot_mapping=None):
+    """The outputs of a fused call, as ``numpy_path.fused_on_host`` computes them: q_out (k_out)
+    in the plan's out_dtype (fp8) or the input dtype, then the new caches when the call writes
+    them. ``scales``: name -> float or a 0-d / one-element float32 array (``q_scale``,
+    ``k_scale``, ``v_scale``)."""
+    f = plan.fusion
+    cos_t, sin_t = cos_sin_per_token(plan, positions, cache, cos, sin)
+    out_dtype = numpy_dtype(f.out_dtype or plan.q.dtype)
+    outputs, rotated = [], []
+    for name, x, weight in (("q", q, q_weight), ("k", k, k_weight)):
+        if x is None:
+            continue
+        x = x.astype(jnp.float32)
+        if f.norm:
+            mean = jnp.mean(x * x, axis=-1, keepdims=True)
+            rms = jnp.float32(1) / jnp.sqrt(mean + jnp.float32(f.eps))
+            x = x * (rms * (jnp.float32(f.weight_offset) + weight.astype(jnp.float32)))
+        y = _rotated(plan, x, cos_t, sin_t)
+        rotated.append(y)
+        outputs.append(_stored(y, out_dtype, scales.get(f"{name}_scale")))
+    if f.writes_cache:
+        cache_format = numpy_dtype(f.cache_dtype or plan.q.dtype)
+        outputs += _cache_write(f, rotated[1], v.astype(jnp.float32), k_cache, v_cache,
+                                slot_mapping, cache_format, scales)
+    return tuple(outputs)
+
+
+def cos_sin_per_token(plan: RopePlan, positions, cache, cos, sin):
+    """cos and sin of every token and pair, ``token_shape + (rotary_dim // 2,)``, in the compute
+    dtype, sin negated for ``inverse``."""
+    compute = compute_dtype(plan.q.dtype)
+    half = plan.rotary_dim // 2
+    if plan.source == AngleSource.TOKEN_TABLES:
+        step = 2 if plan.interleaved and cos.shape[-1] == plan.rotary_dim else 1
+        cos_t, sin_t = (_per_token(t, plan.token_shape)[..., 0:step * half:step].astype(compute)
+                        for t in (cos, sin))
+    else:
+        pair_positions = _pair_positions(plan, positions)  # token_shape + (half or 1,)
+        if plan.source == AngleSource.CACHE_TABLE:
+            cos_t, sin_t = _cache_rows(plan, cache, pair_positions, compute)
+        else:
+            cos_t, sin_t = _computed(plan, pair_positions, compute)
+    return cos_t, (-sin_t if plan.inverse else sin_t)
+
+
+def _per_token(table, token_shape):
+    """A per-token table ``[..., w]`` broadcast to ``token_shape + (w,)`` (leading dims past the
+    token dims are ones: the plan checked it)."""
+    extra = max(0, table.ndim - 1 - len(token_shape))
+    table = table.reshape(table.shape[extra:])
+    return jnp.broadcast_to(table, tuple(token_shape) + table.shape[-1:])
+
+
+def _pair_positions(plan: RopePlan, positions):
+    """The position of every token, ``token_shape + (1,)``; under M-RoPE the position of every
+    token and pair, ``token_shape + (rotary_dim // 2,)`` (each pair's own component)."""
+    token_shape = tuple(plan.token_shape)
+    if positions is None:  # arange along the last token dim; one token at 0 for q [H, D]
+        if not token_shape:
+            return jnp.zeros((1,), jnp.int32)
+        return jax.lax.broadcasted_iota(jnp.int32, token_shape + (1,), len(token_shape) - 1)
+    if plan.mrope_mode == MROPE_NONE:
+        return _broadcast_positions(positions, token_shape)[..., None]
+    components = mrope_components(plan.mrope_mode, plan.mrope_sections, plan.rotary_dim // 2)
+    per_component = jnp.stack([_broadcast_positions(p, token_shape) for p in positions], axis=-1)
+    return per_component[..., components]
+
+
+def _broadcast_positions(values, token_shape):
+    values = values.reshape(values.shape[max(0, values.ndim - len(token_shape)):])
+    return jnp.broadcast_to(values, token_shape)
+
+
+def _cache_rows(plan: RopePlan, cache, pair_positions, compute):
+    """cos / sin from the cache rows of the positions; NaN where a position is outside it (its
+    row is never read)."""
+    half = plan.rotary_dim // 2
+    inside = (pair_positions >= 0) & (pair_positions < cache.shape[0])
+    rows = jnp.where(inside, pair_positions, 0)
+    columns = jnp.arange(half)
+    if plan.mrope_mode == MROPE_NONE:  # one row per token
+        rows = rows[..., 0]
+        cos_t, sin_t = cache[rows, :half], cache[rows, half:2 * half]
+    else:  # one row per pair: entry j of row positions[..., j]
+        cos_t, sin_t = cache[rows, columns], cache[rows, columns + half]
+    nan = jnp.array(np.nan, compute)
+    return (jnp.where(inside, cos_t.astype(compute), nan),
+            jnp.where(inside, sin_t.astype(compute), nan))
+
+
+def _computed(plan: RopePlan, pair_positions, compute):
+    """cos / sin of ``position * inv_freq`` times the attention factor."""
+    if jax.config.jax_enable_x64:  # float64 product and reduction, as the NumPy path
+        angles = pair_positions.astype(jnp.float64) * jnp.asarray(plan.inv_freq, jnp.float64)
+        factor = jnp.float64(plan.attention_factor)
+        return (jnp.cos(angles) * factor).astype(compute), (jnp.sin(angles) * factor).astype(compute)
+    sin_t, cos_t = _sincos_fixed_point(pair_positions, plan.inv_freq)
+    not_finite = np.where(np.isfinite(plan.inv_freq), 0.0, np.nan).astype(np.float32)
+    factor = jnp.float32(plan.attention_factor)
+    return (cos_t * factor + not_finite).astype(compute), (sin_t * factor + not_finite).astype(compute)
+
+
+def turns_limbs(inv_freq: np.ndarray) -> np.ndarray:
+    """``inv_freq / 2pi`` modulo 1 as 16-bit limbs, ``[len(inv_freq), 5]`` uint32: limb ``i``
+    weighs ``2^(-16 (i + 1))``. Exact from the float64 values (Python integers) but for the
+    truncation past 2^-80; non-finite values give zeros (their cos/sin are made NaN apart)."""
+    limbs = np.zeros((len(inv_freq), _FRACTION_LIMBS), np.uint32)
+    bits = 16 * _FRACTION_LIMBS
+    for j, value in enumerate(np.asarray(inv_freq, np.float64)):
+        if not np.isfinite(value):
+            continue
+        numerator, denominator = float(value).as_integer_ratio()  # denominator: a power of 2
+        fraction = (numerator * _INV_TWO_PI_192 << bits) // (denominator << 192) % (1 << bits)
+        for i in range(_FRACTION_LIMBS):
+            limbs[j, i] = (fraction >> (bits - 16 * (i + 1))) & 0xFFFF
+    return limbs
+
+
+def _turns_fraction(positions, limbs):
+    """The fraction of a turn of ``|position| * inv_freq`` in 16-bit limbs (weights 2^-16,
+    2^-32, 2^-48, 2^-64), exactly (but for the limbs' truncation past 2^-80 of inv_freq / 2pi).
+    ``positions``: int32 ``[..., n]``, ``limbs``: uint32 ``[n, 5]`` (:func:`turns_limbs`)."""
+    magnitude = jnp.abs(positions).astype(jnp.uint32)  # |-2^31| wraps to 2^31: right as uint32
+    position_limbs = (magnitude & 0xFFFF, magnitude >> 16)  # weights 1, 2^16
+    # accumulators[i] weighs 2^(-16 i); index 0 (whole turns) is dropped. A product of 16-bit
+    # limbs fits 32 bits; each accumulator sums at most four 16-bit halves.
+    accumulators = [jnp.zeros(positions.shape, jnp.uint32) for _ in range(_FRACTION_LIMBS + 1)]
+    for shift, p in enumerate(position_limbs):
+        for i in range(_FRACTION_LIMBS):
+            product = p * jnp.asarray(limbs[:, i])  # weight 2^(-16 (i + 1 - shift))
+            weight = i + 1 - shift
+            if weight - 1 >= 1:
+                accumulators[weight - 1] = accumulators[weight - 1] + (product >> 16)
+            if weight >= 1:
+                accumulators[weight] = accumulators[weight] + (product & 0xFFFF)
+    for i in range(_FRACTION_LIMBS, 1, -1):  # carries, lowest limb first
+        accumulators[i - 1] = accumulators[i - 1] + (accumulators[i] >> 16)
+        accumulators[i] = accumulators[i] & 0xFFFF
+    return [a & 0xFFFF for a in accumulators[1:_FRACTION_LIMBS]]
+
+
+def _sincos_fixed_point(positions, inv_freq):
+    """float32 (sin, cos) of ``positions * inv_freq`` (int32 positions ``[..., n or 1]``,
+    float64 inv_freq ``[n]``) from the exact fraction of a turn (see the module docstring)."""
+    positions = positions.astype(jnp.int32)
+    top, second, third, fourth = _turns_fraction(positions, turns_limbs(inv_freq))
+    rounded = top.astype(jnp.int32) + 0x2000  # + 1/8 turn: the nearest quarter turn
+    quadrant = (rounded >> 14) & 3
+    # The rest, in [-1/8, 1/8) turn, times 2^32: an exact int32 (30 bits) plus two limbs (below
+    # 2^-48 turn, rounded). Times 2pi as a sum of products of 12-bit floats: each product exact,
+    # so the sum rounds the same whether or not XLA fuses a product into an addition.
+    leading = (((rounded & 0x3FFF) - 0x2000) << 16) + second.astype(jnp.int32)
+    top_chunk = (leading >> 17).astype(jnp.float32) * jnp.float32(2.0 ** 17)
+    middle_chunk = ((leading >> 5) & 0xFFF).astype(jnp.float32) * jnp.float32(2.0 ** 5)
+    low_chunk = ((leading & 0x1F).astype(jnp.float32)
+                 + third.astype(jnp.float32) * jnp.float32(2.0 ** -16)
+                 + fourth.astype(jnp.float32) * jnp.float32(2.0 ** -32))
+    low_chunk = (low_chunk + _TWELVE_BITS_BELOW_2_7) - _TWELVE_BITS_BELOW_2_7  # 12 bits
+    p0, p1, p2 = _TWO_PI_CHUNKS
+    # smallest terms first, so that only the last addition rounds at the result's magnitude
+    turned = (middle_chunk * p2 + low_chunk * p1) + low_chunk * p2
+    turned = (top_chunk * p2 + middle_chunk * p1 + low_chunk * p0) + turned
+    turned = (top_chunk * p1 + middle_chunk * p0) + turned
+    turned = top_chunk * p0 + turned
+    reduced = turned * jnp.float32(2.0 ** -32)  # exact
+    negative = positions < 0  # angle(-p) = -angle(p)
+    reduced = jnp.where(negative, -reduced, reduced)
+    quadrant = jnp.where(negative, (4 - quadrant) & 3, quadrant)
+    s, c = jnp.sin(reduced), jnp.cos(reduced)
+    sin_t = jnp.select([quadrant == 0, quadrant == 1, quadrant == 2], [s, c, -s], -c)
+    cos_t = jnp.select([quadrant == 0, quadrant == 1, quadrant == 2], [c, -s, -c], s)
+    return sin_t, cos_t
+
+
+def _rotated(plan: RopePlan, x, cos_t, sin_t):
+    """x ``[..., H, D]`` rotated in the compute dtype (dims past rotary_dim as they are, in the
+    compute dtype: exact)."""
+    cos_t, sin_t = cos_t[..., None, :], sin_t[..., None, :]  # broadcast over heads
+    r, half = plan.rotary_dim, plan.rotary_dim // 2
+    x = x.astype(cos_t.dtype)
+    if plan.interleaved:
+        x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+    else:
+        x1, x2 = x[..., :half], x[..., half:r]
+    first, second = x1 * cos_t - x2 * sin_t, x2 * cos_t + x1 * sin_t
+    if plan.interleaved:  # pairs (2j, 2j + 1) back side by side
+        rotated = jnp.stack((first, second), axis=-1).reshape(x.shape[:-1] + (r,))
+    else:
+        rotated = jnp.concatenate((first, second), axis=-1)
+    return jnp.concatenate((rotated, x[..., r:]), axis=-1) if r < x.shape[-1] else rotated
+
+
+def _stored(values, dtype: np.dtype, scale):
+    """float32 values as ``dtype``, rounded once; fp8 stores ``values * (1 / scale)`` saturated to
+    the format's largest finite value (NaN stays NaN), as ``numpy_path.store_as``."""
+    name = dtype.name
+    if name not in FP8_MAX:
+        return values.astype(dtype)
+    scale = jnp.float32(1.0) if scale is None else jnp.asarray(scale, jnp.float32).reshape(())
+    limit = jnp.float32(FP8_MAX[name])
+    return jnp.clip(values * (jnp.float32(1) / scale), -limit, limit).astype(dtype)
+
+
+def _cache_write(f, k_rotated, v, k_cache, v_cache, slot_mapping, cache_format, scales):
+    """(k_cache_new, v_cache_new): rotated k and v stored in the rows of their slots; negative
+    slots (padding) and slots past the cache are skipped. Caches of uint8 hold fp8 bits."""
+    slots = slot_mapping.astype(jnp.int32)
+    valid = (slots >= 0) & (slots < f.num_slots)
+    blocks = jnp.where(valid, slots // f.block_size, f.num_blocks)  # out of range: dropped
+    within = jnp.where(valid, slots % f.block_size, 0)
+    written = []
+    for cache, values, scale in ((k_cache, k_rotated, scales.get("k_scale")),
+                                 (v_cache, v, scales.get("v_scale"))):
+        stored = _stored(values, cache_format, scale)
+        if cache.dtype == jnp.uint8:
+            stored = jax.lax.bitcast_convert_type(stored, jnp.uint8)
+        rows = cache.at[blocks, within] if f.layout == "NHD" else cache.at[blocks, :, within]
+        written.append(rows.set(stored, mode="drop"))
+    return written
