@@ -197,3 +197,46 @@ def test_fused_repeat_call_still_refuses_a_cache_over_q(torch_cuda):
             assert torch.equal(buffer, before) and not v_cache.any()
         else:
             cr.rope_and_cache(q, k, v, positions, k_cache, v_cache, slots, cos_sin_cache=cache)
+
+
+def test_vllm_adapter_repeat_calls_replay_on_the_flat_tensors(torch_cuda, monkeypatch):
+    """compat.rotary_embedding's second call of a layout is neither planned nor given head views
+    (it replays on the flat [T, H * D] tensors); each call rotates its own new tensors; another
+    head_size over the same flat tensors, or a flag of the wrong type, goes to the full path."""
+    from cupyrope import compat, execute
+    from cupyrope.compat import vllm
+    from reference import reference_rope
+
+    torch = torch_cuda
+    execute.clear()
+    T, width, R = 7, 256, 32  # flat rows of 256 elements; a cache of rotary_dim 32
+    cache = cr.cos_sin_cache(512, R, like=torch.empty(1, device="cuda"))
+
+    def call(head_size=64, is_neox=True):
+        query = torch.randn(T, width, device="cuda", dtype=torch.bfloat16)
+        key = torch.randn(T, width // 2, device="cuda", dtype=torch.bfloat16)
+        positions = torch.randint(0, 512, (T,), device="cuda")
+        before = (query.clone(), key.clone())
+        compat.rotary_embedding(positions, query, key, head_size, cache, is_neox)
+        for got, x in zip((query, key), before):
+            x = as_numpy(x.view(T, -1, head_size))
+            ref = reference_rope(x, as_numpy(positions), cos_sin_cache=as_numpy(cache),
+                                 interleaved=not is_neox)
+            assert_rope_close(as_numpy(got.view(x.shape)), ref, x, interleaved=not is_neox,
+                              rotary_dim=R)
+
+    call()  # plans in full and keeps the recipe under the adapter's key
+    planned, viewed = [], []
+    full_path, views = execute.plan_rope, vllm.heads_view
+    monkeypatch.setattr(execute, "plan_rope",
+                        lambda *args, **kwargs: planned.append(1) or full_path(*args, **kwargs))
+    monkeypatch.setattr(vllm, "heads_view",
+                        lambda *args, **kwargs: viewed.append(1) or views(*args, **kwargs))
+    for _ in range(3):
+        call()
+    assert not planned and not viewed
+    call(head_size=32)  # the same flat layout split into other heads: planned again
+    assert planned and viewed
+    call(is_neox=False)
+    with pytest.raises(TypeError, match="is_neox"):
+        call(is_neox=1)
