@@ -77,11 +77,13 @@ def _specialisations() -> tuple[KernelSpec, ...]:
                 specs.append(KernelSpec(dtype, table_dtype, vector, interleaved, source, wide))
         specs.append(KernelSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED, wide))
     # The lean kernels: 16-byte accesses and 32-bit offsets only; the decode kernels take the same
-    # layouts, with table-read angles (launch.decode_kernel_applies).
+    # layouts (launch.decode_kernel_applies), computed angles for 16- and 32-bit floats only
+    # (launch.computed_decode_pays).
     lean = [dataclasses.replace(spec, lean=True) for spec in specs
             if spec.vector and not spec.wide_index]
-    return tuple(specs + lean + [dataclasses.replace(spec, decode=True) for spec in lean
-                                 if spec.source != AngleSource.COMPUTED])
+    decode = [dataclasses.replace(spec, decode=True) for spec in lean
+              if spec.source != AngleSource.COMPUTED or spec.dtype != "float64"]
+    return tuple(specs + lean + decode)
 
 
 SPECIALISATIONS: tuple[KernelSpec, ...] = _specialisations()
@@ -313,9 +315,9 @@ def warmup(
 ) -> int:
     """Compile chosen specialisations ahead of time; returns how many are ready.
 
-    Each 16-byte specialisation with 32-bit offsets comes three times (twice for computed
-    angles): the decode kernel that common layouts run with few tokens, the lean kernel that they
-    run otherwise and the general one that every other layout runs; all are compiled.
+    Each 16-byte specialisation with 32-bit offsets comes three times: the decode kernel that
+    common layouts run with few tokens, the lean kernel that they run otherwise and the general
+    one that every other layout runs; all are compiled.
 
     Parameters
     ----------

@@ -24,6 +24,7 @@ from .arrays import ArrayInfo, cupy_module, stream_is_capturing, upload
 from .dtypes import ITEMSIZE
 from .fusion import STORE_FORMATS
 from .kernels import KernelSpec, get_kernel, is_compiled
+from .kernels import angle_arithmetic as device_angle_arithmetic
 from .plan import RopePlan
 from .recipes import LaunchRecipe
 
@@ -115,14 +116,50 @@ def dependent_launch_applies(plan: RopePlan, spec: KernelSpec) -> bool:
             and plan.num_tokens <= DECODE_MAX_TOKENS and dependent_launch.supported(plan.device))
 
 
-def decode_kernel_applies(plan: RopePlan, *, lean: bool, copy_pass: bool, pairs: int) -> bool:
-    """Whether the decode kernel runs this launch: a lean launch of few tokens with table-read
-    angles, that copies nothing past rotary_dim, whose chunks of a head fit one block. Computed
-    angles stay on the lean kernel, which computes each pair's angle once per token in shared
-    memory: one float64 reduction per pair and thread costs more (T = 1: 2.55 -> 2.70 us)."""
+def decode_kernel_applies(plan: RopePlan, *, lean: bool, copy_pass: bool, pairs: int,
+                          angle_arithmetic: str | None = None) -> bool:
+    """Whether the decode kernel runs this launch: a lean launch of few tokens that copies
+    nothing past rotary_dim, whose chunks of a head fit one block (and, with computed angles,
+    where they pay: ``computed_decode_pays`` with the device's ``angle_arithmetic``, None for
+    unknown, and whose warps' angles fit the shared memory a launch may use without opting
+    in)."""
     chunks = (plan.rotary_dim // 2) // pairs
-    return (lean and not copy_pass and plan.source != AngleSource.COMPUTED
-            and plan.num_tokens <= DECODE_MAX_TOKENS and chunks <= THREADS_PER_BLOCK)
+    if not (lean and not copy_pass and plan.num_tokens <= DECODE_MAX_TOKENS
+            and chunks <= THREADS_PER_BLOCK):
+        return False
+    if plan.source == AngleSource.COMPUTED:
+        if not computed_decode_pays(plan, angle_arithmetic):
+            return False
+        block, _ = decode_geometry(plan, pairs)
+        return (block[0] * block[1] <= THREADS_PER_BLOCK
+                and decode_shared_angle_bytes(plan, block) <= MAX_SHARED_ANGLE_BYTES)
+    return True
+
+
+# Computed angles on the decode kernel (each warp computes its token's angles, no block barrier)
+# against the lean kernel (each pair once per block, behind a barrier). H200, graph of 20 calls,
+# bf16 q [T, 32, 128] k [T, 8, 128], us, lean -> decode: float64 angles T = 1 1.97 -> 1.63,
+# 32 2.12 -> 1.78, 512 5.05 -> 4.36, 1024 7.20 -> 7.27, 2048 12.42 -> 13.07; float-float angles
+# (~3x the instructions a pair) 1.81 -> 1.84, 1.99 -> 1.97, 5.01 -> 4.90, 7.12 -> 8.26
+# (docs/perf_log.md). So the decode kernel takes computed angles up to this many tokens, with
+# float64 angle arithmetic only.
+DECODE_MAX_COMPUTED_TOKENS = 512
+
+
+def computed_decode_pays(plan: RopePlan, angle_arithmetic: str | None) -> bool:
+    """Whether computed angles are faster on the decode kernel than on the lean one (above):
+    few tokens, float16 / bfloat16 / float32 q and k, and float64 angle arithmetic (the
+    device's, ``cupyrope.kernels.angle_arithmetic``)."""
+    return (plan.num_tokens <= DECODE_MAX_COMPUTED_TOKENS and plan.q.dtype != "float64"
+            and angle_arithmetic == "float64")
+
+
+def decode_shared_angle_bytes(plan: RopePlan, block: tuple[int, int, int]) -> int:
+    """Shared memory of a computed-angle decode launch: each warp of a block keeps cos and sin of
+    every pair of its token (kernels_cu/decode.cuh computes them per warp: no block barrier)."""
+    warps = block[0] * block[1] // 32  # whole warps: see decode_geometry
+    compute_itemsize = 8 if plan.q.dtype == "float64" else 4
+    return warps * (plan.rotary_dim // 2) * 2 * compute_itemsize
 
 
 def decode_struct(p: np.ndarray, source: AngleSource) -> np.ndarray:
@@ -147,11 +184,17 @@ def decode_struct(p: np.ndarray, source: AngleSource) -> np.ndarray:
 
 def decode_geometry(plan: RopePlan, pairs: int):
     """(block, grid) of the decode kernel: x the chunks of a head, y the heads of q then k (split
-    evenly over gridDim.y when they do not fit one block), grid x the tokens."""
+    evenly over gridDim.y when they do not fit one block), grid x the tokens. With computed
+    angles a block is whole warps (each warp computes its token's angles: kernels_cu/decode.cuh):
+    its heads are padded up to that, which can take it past THREADS_PER_BLOCK (then
+    decode_kernel_applies says no)."""
     chunks = (plan.rotary_dim // 2) // pairs
     num_heads = plan.num_q_heads + plan.num_k_heads
     grid_y = -(-num_heads // (THREADS_PER_BLOCK // chunks))
     block_y = -(-num_heads // grid_y)  # 40 heads over 2 blocks: 20 + 20, not 32 + 8
+    if plan.source == AngleSource.COMPUTED:
+        head_multiple = 32 // math.gcd(chunks, 32)
+        block_y = -(-block_y // head_multiple) * head_multiple
     return (chunks, block_y, 1), (plan.num_tokens, grid_y)
 
 
@@ -237,12 +280,15 @@ class LaunchSpec:
 
 
 def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int = 0,
-                num_regs: Callable[[KernelSpec], int], multiprocessors: int) -> LaunchSpec:
+                num_regs: Callable[[KernelSpec], int], multiprocessors: int,
+                angle_arithmetic: str | None = None) -> LaunchSpec:
     """The launch that rotates q (and k) of ``plan`` into ``outputs``.
 
     ``inv_freq_ptr`` is the device copy of ``plan.inv_freq`` (computed angles), ``num_regs`` gives
-    the registers a specialisation uses (the geometry sizes blocks by it) and ``multiprocessors``
-    is the device's SM count.
+    the registers a specialisation uses (the geometry sizes blocks by it), ``multiprocessors``
+    is the device's SM count and ``angle_arithmetic`` the device's computed-angle arithmetic
+    (``cupyrope.kernels.angle_arithmetic``; None: unknown, computed angles stay on the lean
+    kernel).
     """
     q_out = outputs[0]
     k_out = outputs[1] if plan.k is not None else None
@@ -343,10 +389,13 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                                table_vector_ok=bool(p["table_vector_ok"]))
     spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
                       wide_index, lean)
-    if decode_kernel_applies(plan, lean=lean, copy_pass=copy_pass, pairs=pairs):
+    if decode_kernel_applies(plan, lean=lean, copy_pass=copy_pass, pairs=pairs,
+                             angle_arithmetic=angle_arithmetic):
         block, grid = decode_geometry(plan, pairs)
+        shared_bytes = (decode_shared_angle_bytes(plan, block)
+                        if plan.source == AngleSource.COMPUTED else 0)
         return LaunchSpec(dataclasses.replace(spec, decode=True), decode_struct(p, plan.source),
-                          grid, block, 0, pointers, sin_offset, vector)
+                          grid, block, shared_bytes, pointers, sin_offset, vector)
     block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec), multiprocessors)
     shared_bytes = shared_angle_bytes(plan, spec, block)
     if shared_bytes > MAX_SHARED_ANGLE_BYTES:  # never at the usual head sizes; general kernel
@@ -377,7 +426,9 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
 
     spec = plan_launch(plan, outputs, inv_freq_ptr=0 if inv_freq is None else inv_freq.data.ptr,
                        num_regs=lambda kernel_spec: compiled(kernel_spec).num_regs,
-                       multiprocessors=_multiprocessors(device))
+                       multiprocessors=_multiprocessors(device),
+                       angle_arithmetic=(device_angle_arithmetic(device)
+                                         if plan.source == AngleSource.COMPUTED else None))
     kernel = compiled(spec.kernel)
     recipe = LaunchRecipe(kernel.ptr, device, spec.grid, spec.block, spec.params, spec.sin_offset,
                           spec.vector, inv_freq, spec.shared_bytes, spec.kernel,

@@ -9,10 +9,16 @@
 // blockDim.x * pairs), blockDim.y = heads of q then k, split over gridDim.y; blockIdx.x = the
 // token. The lean kernels' preconditions hold (one token dim, 16-byte accesses, 32-bit offsets,
 // vector cos/sin rows, no M-RoPE) and nothing is copied past rotary_dim (in place, or
-// rotary_dim == head_dim). Angles come from a cache or per-token tables: computed angles run the
-// lean kernel, which computes each pair's angle once per token in shared memory.
+// rotary_dim == head_dim).
+//
+// Computed angles: every warp computes its token's angles itself, each pair once (a lane takes
+// pairs lane, lane + 32, ...), into its own slice of shared memory, and its lanes read their
+// chunk's cos/sin back after a __syncwarp: no block barrier, so no warp waits for another, and
+// the head's load (issued first) overlaps the position -> angle chain as the table load does
+// for a cache. The host sizes the shared memory: warps of a block x cos and sin of `half` pairs.
 #pragma once
 
+#include "angles.cuh"
 #include "dependent_launch.cuh"
 #include "numeric.cuh"
 #include "rope_params.cuh"
@@ -21,14 +27,45 @@
 
 namespace cupyrope {
 
+// The cos/sin of this thread's pairs [pair0, pair0 + P), computed by its warp: see the header.
+template <typename C, int P>
+__device__ __forceinline__ void warp_computed_angles(const DecodeParams& p, long long position,
+                                                     int pair0, int half, C (&cos_v)[P],
+                                                     C (&sin_v)[P]) {
+  extern __shared__ __align__(16) unsigned char shared_angles[];
+  // Blocks are whole warps (launch.decode_geometry pads the heads of a block to make them so): a
+  // __syncwarp with a mask known only at run time would compile to a call and a register spill.
+  const int linear = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
+  const int warp = linear >> 5, lane = linear & 31;
+  C* const warp_cos = reinterpret_cast<C*>(shared_angles) + warp * 2 * half;
+  C* const warp_sin = warp_cos + half;
+  const C factor = static_cast<C>(p.attention_factor);
+  const C sin_sign = static_cast<C>(p.sin_sign);
+  // Not unrolled: unrolled, ptxas spilled a register for float32 interleaved q and k (measured
+  // the same speed either way, docs/perf_log.md).
+#pragma unroll 1
+  for (int j = lane; j < half; j += 32) {
+    C c, s;  // c before s: see chunk_angles
+    angle_sincos(position, p.inv_freq[j], &s, &c);
+    warp_cos[j] = c * factor;
+    warp_sin[j] = s * factor * sin_sign;
+  }
+  __syncwarp();
+  load_elements<true>(cos_v, warp_cos + pair0);
+  load_elements<true>(sin_v, warp_sin + pair0);
+}
+
 template <typename T, typename TableT, bool INTERLEAVED, int SOURCE>
 __device__ __forceinline__ void rope_decode_thread(const DecodeParams& p) {
-  static_assert(SOURCE != kComputedAngles, "computed angles run the lean kernel (shared angles)");
   using C = typename ComputeOf<T>::type;
   constexpr int P = Layout<T, true, INTERLEAVED>::pairs;
+  constexpr bool kComputed = SOURCE == kComputedAngles;
 
   const int head = static_cast<int>(blockIdx.y * blockDim.y + threadIdx.y);
-  if (head >= p.num_heads) return;  // an uneven split of the heads over blocks
+  // An uneven split of the heads over blocks leaves threads without a head. With computed angles
+  // they still compute their warp's share of the angles (and load and store nothing).
+  const bool has_head = head < p.num_heads;
+  if (!kComputed && !has_head) return;
   const int token = static_cast<int>(blockIdx.x);
   const int half = static_cast<int>(blockDim.x) * P;
   const int pair0 = static_cast<int>(threadIdx.x) * P;
@@ -46,31 +83,37 @@ __device__ __forceinline__ void rope_decode_thread(const DecodeParams& p) {
   // previous kernel's tail.
   wait_for_previous_grid();
   HeadChunk<T, P, true, INTERLEAVED> chunk;
-  chunk.load(in, pair0, half);
+  if (has_head) chunk.load(in, pair0, half);
 
   long long position = token;  // the implicit arange
-  if (SOURCE == kCacheTable && p.positions != nullptr) {
+  if (SOURCE != kTokenTables && p.positions != nullptr) {
     const int offset = token * p.positions_token_stride;
     position = p.positions_are_int64 ? static_cast<const long long*>(p.positions)[offset]
                                      : static_cast<const int*>(p.positions)[offset];
   }
 
   C cos_v[P], sin_v[P];
-  int cos_row = token * p.cos_row_stride, sin_row = token * p.sin_row_stride;
-  bool row_valid = true;
-  if constexpr (SOURCE == kCacheTable) {  // a row outside the cache is never read: NaN
-    row_valid = position >= 0 && position < p.max_position;
-    cos_row = row_valid ? static_cast<int>(position) * p.cos_row_stride : 0;
-    sin_row = row_valid ? static_cast<int>(position) * p.sin_row_stride : 0;
-  }
-  if (row_valid) {
-    load_table(cos_v, static_cast<const TableT*>(p.cos) + cos_row + pair0, 1, true);
-    load_table(sin_v, static_cast<const TableT*>(p.sin) + sin_row + pair0, 1, true);
+  if constexpr (kComputed) {
+    warp_computed_angles(p, position, pair0, half, cos_v, sin_v);
+    if (has_head) chunk.rotate_store(out, pair0, half, cos_v, sin_v, C(1));  // sign folded in
+    return;
   } else {
+    int cos_row = token * p.cos_row_stride, sin_row = token * p.sin_row_stride;
+    bool row_valid = true;
+    if constexpr (SOURCE == kCacheTable) {  // a row outside the cache is never read: NaN
+      row_valid = position >= 0 && position < p.max_position;
+      cos_row = row_valid ? static_cast<int>(position) * p.cos_row_stride : 0;
+      sin_row = row_valid ? static_cast<int>(position) * p.sin_row_stride : 0;
+    }
+    if (row_valid) {
+      load_table(cos_v, static_cast<const TableT*>(p.cos) + cos_row + pair0, 1, true);
+      load_table(sin_v, static_cast<const TableT*>(p.sin) + sin_row + pair0, 1, true);
+    } else {
 #pragma unroll
-    for (int i = 0; i < P; ++i) cos_v[i] = sin_v[i] = quiet_nan<C>();
+      for (int i = 0; i < P; ++i) cos_v[i] = sin_v[i] = quiet_nan<C>();
+    }
+    chunk.rotate_store(out, pair0, half, cos_v, sin_v, static_cast<C>(p.sin_sign));
   }
-  chunk.rotate_store(out, pair0, half, cos_v, sin_v, static_cast<C>(p.sin_sign));
 }
 
 }  // namespace cupyrope

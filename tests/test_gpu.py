@@ -278,6 +278,8 @@ def test_decode_lean_and_general_kernels(rng, monkeypatch, kernel, dtype, source
     general kernel, forced onto the same case, gives results within the same bounds (it is the
     one every other layout takes)."""
     from cupyrope import launch
+    from cupyrope.kernels import angle_arithmetic
+    from cupyrope.plan import plan_rope
     from cupyrope.recipes import recipes
 
     # T tokens are "few" for the decode case, and many for the others.
@@ -294,7 +296,11 @@ def test_decode_lean_and_general_kernels(rng, monkeypatch, kernel, dtype, source
     # strided row that only the general kernel loads.
     common = not (source == "tables_full" and interleaved)
     assert recipe.spec.lean is (kernel != "general" and common)
-    assert recipe.spec.decode is (kernel == "decode" and common and "computed" not in source)
+    # Computed angles take the decode kernel with float64 angle arithmetic (H100 / H200 ...).
+    computed_decodes = ("computed" not in source
+                        or launch.computed_decode_pays(
+                            plan_rope(q), angle_arithmetic(recipe.device)))
+    assert recipe.spec.decode is (kernel == "decode" and common and computed_decodes)
 
 
 # The decode kernel's own layouts: one thread per (token, head, chunk), heads split over blocks.
@@ -309,6 +315,14 @@ DECODE_CASES = {
     "interleaved_d256": (2, 4, 2, 256, BF16, "cache", True, False, "int64"),
     "interleaved_tables": (7, 4, 2, 128, "float16", "tables_half", True, False, "int64"),
     "most_tokens": (512, 4, 2, 128, BF16, "cache", False, False, "int64"),
+    # Computed angles (each warp computes its token's angles; blocks padded to whole warps).
+    "computed_uneven_heads": (5, 33, 8, 128, BF16, "computed", False, False, "int64"),  # 2 x 24
+    "computed_d80_padded_warps": (4, 4, 2, 80, BF16, "computed", False, False, "int32"),
+    "computed_linear_inverse_interleaved": (3, 8, 1, 64, "float32", "computed_linear", True,
+                                            True, "int64"),
+    "computed_implicit_positions": (9, 4, 2, 128, "float16", "computed", False, False, None),
+    "computed_q_only": (2, 6, None, 128, BF16, "computed", False, False, "int64"),
+    "computed_most_tokens": (512, 4, 2, 128, BF16, "computed", False, False, "int64"),
 }
 
 
@@ -327,6 +341,14 @@ def test_decode_kernel_layouts(rng, case, inplace):
     rope_and_check(q, k, angles, rotary_dim=d, interleaved=interleaved, inverse=inverse,
                    inplace=inplace)
     (recipe,) = recipes.values()
+    if "computed" in source:  # computed angles: where they pay (float64 angle arithmetic)
+        from cupyrope.kernels import angle_arithmetic
+        from cupyrope.plan import plan_rope
+
+        assert t <= launch.DECODE_MAX_COMPUTED_TOKENS
+        if not launch.computed_decode_pays(plan_rope(q), angle_arithmetic(recipe.device)):
+            assert not recipe.spec.decode
+            return
     assert recipe.spec.decode, f"{case}: ran {recipe.spec.name_expression}"
 
 
@@ -829,15 +851,15 @@ def test_warmup_counts_and_precompiles(rng, compiled_specs):
 
     count = cr.warmup(dtypes=("float16",), table_dtypes=("float32",), sources=("cache", "computed"),
                       interleaved=(False, True), vector=(True,))
-    # {cache, computed} x {NeoX, interleaved} x {lean, general}, + the cache's decode kernels
-    assert count == 10
-    assert len(compiled) == 10
+    # {cache, computed} x {NeoX, interleaved} x {decode, lean, general}
+    assert count == 12
+    assert len(compiled) == 12
     assert sum(spec.lean and not spec.decode for spec in compiled) == 4
-    assert sum(spec.decode for spec in compiled) == 2
+    assert sum(spec.decode for spec in compiled) == 4
     assert cr.warmup(dtypes=("float16",), sources=(cr.AngleSource.CACHE_TABLE,),
                      interleaved=(False,), vector=(True,)) == 3
     assert cr.warmup(dtypes=()) == 0
-    assert len(compiled) == 10, "warmup recompiled a specialisation it already had"
+    assert len(compiled) == 12, "warmup recompiled a specialisation it already had"
 
     # The calls after warmup use what it compiled, and are correct.
     q, k = make_qk(rng, "float16")
@@ -845,4 +867,4 @@ def test_warmup_counts_and_precompiles(rng, compiled_specs):
     for source, interleaved in (("cache", False), ("computed", True)):
         angles = make_angles(source, q.shape, positions, D, q=q, interleaved=interleaved)
         rope_and_check(q, k, angles, rotary_dim=D, interleaved=interleaved)
-    assert len(compiled) == 10, f"a call after warmup compiled again: {compiled[10:]}"
+    assert len(compiled) == 12, f"a call after warmup compiled again: {compiled[12:]}"

@@ -123,18 +123,10 @@ def test_mrope_and_positions_outside_the_cache(rng):
 
 
 def _round_trip(f, *args):
+    pytest.importorskip("flatbuffers", reason="jax.export's serialisation needs flatbuffers")
     exported = jax.export.export(jax.jit(f))(*args)
-    if _has_flatbuffers():
-        exported = jax.export.deserialize(exported.serialize())
+    exported = jax.export.deserialize(exported.serialize())
     return exported.call(*args)
-
-
-def _has_flatbuffers() -> bool:
-    try:
-        import flatbuffers  # noqa: F401  (jax.export's serialisation needs it)
-    except ImportError:
-        return False
-    return True
 
 
 def test_export_round_trip(rng):

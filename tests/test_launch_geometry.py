@@ -119,3 +119,47 @@ def test_shared_angle_bytes_only_for_lean_computed_angles():
     q64 = plan_rope(np.zeros((16, 4, 128)), None, np.arange(16))  # float64 computes in float64
     lean64 = KernelSpec("float64", "float32", True, False, AngleSource.COMPUTED, False, True)
     assert launch.shared_angle_bytes(q64, lean64, (16, 5, 3)) == 3 * 2 * 64 * 8
+
+
+@pytest.mark.parametrize("D, heads, applies", [(128, (32, 8), True), (64, (14, 2), True),
+                                               (80, (7, 1), True), (80, (40, 8), False),
+                                               (96, (3, 0), True)])
+def test_computed_decode_blocks_are_whole_warps(monkeypatch, D, heads, applies):
+    """Computed angles on the decode kernel: each warp computes its token's angles, so a block is
+    whole warps (heads padded up to that) with shared memory for every warp's cos and sin; where
+    the padding passes the block limit the lean kernel runs instead."""
+    hq, hk = heads
+    q = np.zeros((3, hq, D), dtype=np.float16)
+    k = np.zeros((3, hk, D), dtype=np.float16) if hk else None
+    plan = plan_rope(q, k, np.arange(3), inplace=True)
+    access, pairs = access_layout(q.itemsize, True, False)
+    assert launch.decode_kernel_applies(plan, lean=True, copy_pass=False, pairs=pairs,
+                                        angle_arithmetic="float64") is applies
+    (chunks, block_y, one), (tokens, grid_y) = launch.decode_geometry(plan, pairs)
+    assert chunks == D // 2 // pairs and one == 1 and tokens == 3
+    assert block_y * grid_y >= hq + hk and (chunks * block_y) % 32 == 0
+    if applies:
+        assert chunks * block_y <= launch.THREADS_PER_BLOCK
+        warps = chunks * block_y // 32
+        assert launch.decode_shared_angle_bytes(plan, (chunks, block_y, 1)) == warps * D * 4
+    cache = np.zeros((8, D), dtype=np.float32)  # a table: no padding, as before
+    table_plan = plan_rope(q, k, np.arange(3), cos_sin_cache=cache, inplace=True)
+    _, block_y = launch.decode_geometry(table_plan, pairs)[0][:2]
+    assert block_y == -(-(hq + hk) // grid_y) or (hq + hk) * chunks > launch.THREADS_PER_BLOCK
+
+
+def test_computed_decode_only_where_it_pays():
+    """The decode kernel takes computed angles with float64 angle arithmetic, up to
+    DECODE_MAX_COMPUTED_TOKENS tokens of 16- or 32-bit floats (measured faster there only)."""
+
+    def applies(T, dtype=np.float32, arithmetic="float64"):
+        q = np.zeros((T, 4, 64), dtype=dtype)
+        plan = plan_rope(q, positions=np.arange(T), inplace=True)
+        pairs = access_layout(q.itemsize, True, False)[1]
+        return launch.decode_kernel_applies(plan, lean=True, copy_pass=False, pairs=pairs,
+                                            angle_arithmetic=arithmetic)
+
+    limit = launch.DECODE_MAX_COMPUTED_TOKENS
+    assert applies(1) and applies(limit) and not applies(limit + 1)
+    assert not applies(1, np.float64)
+    assert not applies(1, arithmetic="float-float") and not applies(1, arithmetic=None)
