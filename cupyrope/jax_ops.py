@@ -81,6 +81,7 @@ TypeError), and q_out, k_out are new arrays. Caches that are not JAX arrays are 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -89,7 +90,7 @@ import numpy as np
 
 from jax.interpreters import mlir
 
-from . import execute, jax_lowering
+from . import execute, jax_lowering, jax_native
 from .arrays import cupy_module, cupy_view_of_buffer, describe, describe_traced, on_gpu_buffer
 from .dtypes import FP8_DTYPES, dtype_name, numpy_dtype
 from .fusion import plan_fused
@@ -724,22 +725,34 @@ def _lower_fused(ctx, *arrays, fused: _Fused):
                           multiple_results=True)(ctx, *arrays)
 
 
-def _gpu_lowering(kind: str, ctx, *operands, **params):
-    """The lowering of a cupyrope primitive on a GPU ("cuda", "rocm"): the hook that a native XLA
-    custom call replaces.
+def _gpu_lowering(kind: str, platform: str, ctx, *operands, **params):
+    """The lowering of a cupyrope primitive on a GPU ("cuda", "rocm").
 
     ``kind`` "rope": ``operands`` q, then k, positions, cos_sin_cache, cos, sin where
     ``params["present"]`` (5 bools, in that order) marks them; ``params["static"]`` is the
     :class:`_Static` options. ``kind`` "fused": ``operands`` the arrays of
     ``params["fused"].names`` (a :class:`_Fused`: the op, its rotation's _Static, its canonical
     options, fp8 arrays as fp8); results q_out (k_out) then the new caches, which a lowering
-    aliases to the input caches. ``ctx.avals_in`` / ``ctx.avals_out`` give every shape and dtype,
-    so the launch can be planned here (``plan_rope`` / ``_plan`` on ``describe_traced`` infos).
-    Returns the results' IR values.
+    aliases to the input caches. Returns the results' IR values.
 
-    For now: the buffer_callback route, on XLA's buffers and stream."""
+    The rotation on NVIDIA GPUs is a native XLA kernel call (:mod:`cupyrope.jax_native`) where
+    this jaxlib offers one; everything else (the fused ops, validate=True, ROCm, a jaxlib without
+    the kernel call: warned once) takes the buffer_callback route, on XLA's buffers and stream."""
+    if kind == "rope" and platform == "cuda" and not params["static"].validate:
+        reason = jax_native.unavailable_reason()
+        if reason is None:
+            return jax_native.lower_rope(ctx, *operands, **params)
+        _warn_callback_route(reason)
     body = _rope_callback_outputs if kind == "rope" else _fused_callback_outputs
     return mlir.lower_fun(functools.partial(body, **params), multiple_results=True)(ctx, *operands)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_callback_route(reason: str) -> None:
+    """Say once (per reason) that traced calls on this GPU run through the callback."""
+    warnings.warn(f"cupyrope: apply_rope under jax.jit runs through a Python callback on this GPU "
+                  f"(no native XLA call: {reason}); it works, with a Python call per execution",
+                  RuntimeWarning, stacklevel=2)
 
 
 def _per_element(primitive, args, dims, **params):
@@ -753,6 +766,11 @@ def _per_element(primitive, args, dims, **params):
     return outs, [0] * len(outs)
 
 
+def _lower_on_gpu(kind: str, platform: str, ctx, *operands, **params):
+    # _gpu_lowering is looked up when a call is lowered, so that replacing it takes effect.
+    return _gpu_lowering(kind, platform, ctx, *operands, **params)
+
+
 def _register_lowerings() -> None:
     from jax.interpreters import batching
 
@@ -762,10 +780,10 @@ def _register_lowerings() -> None:
     mlir.register_lowering(_fused_p, _lower_fused)
     for platform in ("cuda", "rocm"):
         # Looked up when a call is lowered, so that replacing _gpu_lowering takes effect.
-        mlir.register_lowering(_rope_p, lambda ctx, *operands, **params: _gpu_lowering(
-            "rope", ctx, *operands, **params), platform=platform)
-        mlir.register_lowering(_fused_p, lambda ctx, *operands, **params: _gpu_lowering(
-            "fused", ctx, *operands, **params), platform=platform)
+        mlir.register_lowering(_rope_p, functools.partial(_lower_on_gpu, "rope", platform),
+                               platform=platform)
+        mlir.register_lowering(_fused_p, functools.partial(_lower_on_gpu, "fused", platform),
+                               platform=platform)
 
 
 _register_lowerings()

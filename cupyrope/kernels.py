@@ -207,7 +207,7 @@ def angle_arithmetic(device_id: int) -> str:
     return arithmetic_for_capability(*_compute_capability(device_id))
 
 
-def _kernel_arithmetic(spec: KernelSpec, device_id: int) -> str | None:
+def kernel_arithmetic(spec: KernelSpec, device_id: int) -> str | None:
     """The arithmetic ``spec`` is compiled with on ``device_id``: None where the choice changes
     nothing (table-read angles, float64 q/k), so that those binaries never depend on it."""
     _setting_in_use()  # a bad value raises whatever the kernel
@@ -265,12 +265,12 @@ def current_device() -> int:
 def is_compiled(spec: KernelSpec, device_id: int) -> bool:
     """Whether ``spec`` is compiled and loaded on ``device_id`` in this process (with the angle
     arithmetic that ``get_kernel`` would use now)."""
-    return (device_id, _kernel_arithmetic(spec, device_id), spec) in _compiled
+    return (device_id, kernel_arithmetic(spec, device_id), spec) in _compiled
 
 
 def get_kernel(spec: KernelSpec, device_id: int) -> CompiledKernel:
     """The compiled kernel for ``spec`` on ``device_id``, compiling it on first use."""
-    arithmetic = _kernel_arithmetic(spec, device_id)
+    arithmetic = kernel_arithmetic(spec, device_id)
     key = (device_id, arithmetic, spec)
     kernel = _compiled.get(key)
     if kernel is not None:

@@ -23,6 +23,7 @@
 #include "numeric.cuh"
 #include "rope_params.cuh"
 #include "rotation.cuh"
+#include "thread_index.cuh"
 #include "vector_io.cuh"
 
 namespace cupyrope {
@@ -35,7 +36,7 @@ __device__ __forceinline__ void warp_computed_angles(const DecodeParams& p, long
   extern __shared__ __align__(16) unsigned char shared_angles[];
   // Blocks are whole warps (launch.decode_geometry pads the heads of a block to make them so): a
   // __syncwarp with a mask known only at run time would compile to a call and a register spill.
-  const int linear = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
+  const int linear = static_cast<int>(tid_y() * ntid_x() + tid_x());
   const int warp = linear >> 5, lane = linear & 31;
   C* const warp_cos = reinterpret_cast<C*>(shared_angles) + warp * 2 * half;
   C* const warp_sin = warp_cos + half;
@@ -61,14 +62,14 @@ __device__ __forceinline__ void rope_decode_thread(const DecodeParams& p) {
   constexpr int P = Layout<T, true, INTERLEAVED>::pairs;
   constexpr bool kComputed = SOURCE == kComputedAngles;
 
-  const int head = static_cast<int>(blockIdx.y * blockDim.y + threadIdx.y);
+  const int head = static_cast<int>(blockIdx.y * ntid_y() + tid_y());
   // An uneven split of the heads over blocks leaves threads without a head. With computed angles
   // they still compute their warp's share of the angles (and load and store nothing).
   const bool has_head = head < p.num_heads;
   if (!kComputed && !has_head) return;
   const int token = static_cast<int>(blockIdx.x);
-  const int half = static_cast<int>(blockDim.x) * P;
-  const int pair0 = static_cast<int>(threadIdx.x) * P;
+  const int half = static_cast<int>(ntid_x()) * P;
+  const int pair0 = static_cast<int>(tid_x()) * P;
 
   // The head's rows (q's heads, then k's), chosen by selects rather than branches.
   const bool is_q = head < p.num_q_heads;

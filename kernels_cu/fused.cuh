@@ -14,6 +14,7 @@
 #include "numeric.cuh"
 #include "rope_params.cuh"
 #include "rotation.cuh"
+#include "thread_index.cuh"
 #include "token_offsets.cuh"
 #include "vector_io.cuh"
 
@@ -79,8 +80,8 @@ __device__ __forceinline__ float inverse_scale_of(const float* device_scale, dou
 // Sum over the blockDim.x lanes of one head: consecutive threads of one warp, blockDim.x a power
 // of two. Only those lanes take part (the other heads of the warp may loop differently).
 __device__ __forceinline__ float lanes_sum(float v) {
-  const unsigned width = blockDim.x;
-  const unsigned linear = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const unsigned width = ntid_x();
+  const unsigned linear = tid_x() + ntid_x() * (tid_y() + ntid_y() * tid_z());
   const unsigned first = (linear & 31u) & ~(width - 1u);
   const unsigned mask = width >= 32u ? 0xffffffffu : ((1u << width) - 1u) << first;
   for (unsigned offset = width / 2; offset > 0; offset /= 2) {
@@ -138,8 +139,8 @@ constexpr int kRingSlotBytes = 32;  // one chunk of 16-byte accesses: two (NeoX)
 // They follow the ring when the launch has one (f.ring).
 __device__ __forceinline__ float* fill_norm_weights(const FusionParams& f, long long head_dim) {
   extern __shared__ __align__(16) unsigned char fused_shared[];
-  const long long rank = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-  const long long threads = static_cast<long long>(blockDim.x) * blockDim.y * blockDim.z;
+  const long long rank = tid_x() + ntid_x() * (tid_y() + ntid_y() * tid_z());
+  const long long threads = static_cast<long long>(ntid_x()) * ntid_y() * ntid_z();
   float* const weights = reinterpret_cast<float*>(
       fused_shared + (f.ring ? threads * kRingDepth * kRingSlotBytes : 0));
   const float offset = static_cast<float>(f.weight_offset);
@@ -162,7 +163,7 @@ __device__ __forceinline__ float* fill_norm_weights(const FusionParams& f, long 
 
 __device__ __forceinline__ unsigned char* ring_slot(int slot) {
   extern __shared__ __align__(16) unsigned char fused_shared[];
-  const int rank = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const int rank = tid_x() + ntid_x() * (tid_y() + ntid_y() * tid_z());
   return fused_shared + (rank * kRingDepth + slot) * kRingSlotBytes;
 }
 
@@ -311,7 +312,7 @@ __device__ __forceinline__ void store_v_head(const FusionParams& f, Index token,
   const T* v_row = static_cast<const T*>(f.v) + token * static_cast<Index>(f.v_token_stride) +
                    vh * static_cast<Index>(f.v_head_stride);
   const long long row = v_base + static_cast<long long>(vh) * f.v_cache_head_stride;
-  for (Index c = threadIdx.x; c < head_chunks; c += blockDim.x) {
+  for (Index c = tid_x(); c < head_chunks; c += ntid_x()) {
     T raw[A];
     float v[A];
     load_elements<VECTOR>(raw, v_row + c * A);
@@ -387,7 +388,7 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
   const Index head_dim = static_cast<Index>(p.head_dim);
   const Index rotary_dim = static_cast<Index>(p.rotary_dim), half = rotary_dim / 2;
   const Index num_chunks = half / P, head_chunks = head_dim / A;
-  const bool many_chunks = num_chunks > static_cast<Index>(blockDim.x);
+  const bool many_chunks = num_chunks > static_cast<Index>(ntid_x());
   const bool pass_through = f.norm || f.write_pass_through || f.k_cache != nullptr;
   const Index pass_chunks = pass_through ? (head_dim - rotary_dim) / A : 0;
   const bool pipelined = f.ring && !many_chunks && pass_chunks == 0;
@@ -395,17 +396,17 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
   const Index num_rotated = num_q_heads + static_cast<Index>(p.num_k_heads);
   const Index num_heads = num_rotated + (f.k_cache != nullptr ? static_cast<Index>(f.num_v_heads) : 0);
   const Index num_tokens = static_cast<Index>(p.num_tokens);
-  const Index first_head = static_cast<Index>(blockIdx.y) * blockDim.y + threadIdx.y;
-  const Index head_step = static_cast<Index>(gridDim.y) * blockDim.y;
-  const Index token_step = static_cast<Index>(gridDim.x) * blockDim.z;
-  const Index lane0 = threadIdx.x;
+  const Index first_head = static_cast<Index>(blockIdx.y) * ntid_y() + tid_y();
+  const Index head_step = static_cast<Index>(gridDim.y) * ntid_y();
+  const Index token_step = static_cast<Index>(gridDim.x) * ntid_z();
+  const Index lane0 = tid_x();
   // The first v head this thread visits (after its q and k heads).
   const Index first_v_head = first_v_head_of(first_head, head_step, num_rotated);
 
   const FusedConstants k = fused_constants(f, head_dim);
   const float q_inv_scale = k.q_inv_scale, k_inv_scale = k.k_inv_scale;
   const float v_inv_scale = k.v_inv_scale, inv_dim = k.inv_dim, eps = k.eps;
-  const Index first_token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
+  const Index first_token = static_cast<Index>(blockIdx.x) * ntid_z() + tid_z();
   const long long first_position =
       first_token_position<SOURCE>(p, first_token, num_tokens);
   const float* const norm_weights = f.norm ? fill_norm_weights(f, head_dim) : nullptr;
@@ -493,12 +494,12 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
         if (f.norm) {
           // The sum of squares of the whole head: this lane's chunks and its share of the dims
           // past rotary_dim (read again below, from L1).
-          for (Index lane = lane0; lane < num_chunks; lane += blockDim.x) {
+          for (Index lane = lane0; lane < num_chunks; lane += ntid_x()) {
             Chunk chunk;
             chunk.load(rows.in, lane * P, half);
             sum += sum_of_squares(chunk);
           }
-          for (Index c = lane0; c < pass_chunks; c += blockDim.x) {
+          for (Index c = lane0; c < pass_chunks; c += ntid_x()) {
             T raw[A];
             load_elements<VECTOR>(raw, rows.in + rotary_dim + c * A);
 #pragma unroll
@@ -506,7 +507,7 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
           }
         }
         const HeadNorm norm = head_norm(sum, head);
-        for (Index lane = lane0; lane < num_chunks; lane += blockDim.x) {
+        for (Index lane = lane0; lane < num_chunks; lane += ntid_x()) {
           if (many_chunks || !have_angles) {
             have_angles = true;
             chunk_angles<SOURCE, false>(p, s.o, position, lane * P, cos_table, sin_table,
@@ -517,7 +518,7 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
           chunk.load(rows.in, lane * P, half);
           rotate_chunk_to(f, chunk, lane * P, half, cos_v, sin_v, head_sign, norm, t, k_inv_scale);
         }
-        for (Index c = lane0; c < pass_chunks; c += blockDim.x) {
+        for (Index c = lane0; c < pass_chunks; c += ntid_x()) {
           const Index col = rotary_dim + c * A;
           T raw[A];
           float v[A];

@@ -131,16 +131,16 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
   const Index num_rotated = num_q_heads + static_cast<Index>(p.num_k_heads);
   const Index num_heads = num_rotated + (CACHE ? static_cast<Index>(f.num_v_heads) : 0);
   const Index num_tokens = static_cast<Index>(p.num_tokens);
-  const Index first_head = static_cast<Index>(blockIdx.y) * blockDim.y + threadIdx.y;
-  const Index head_step = static_cast<Index>(gridDim.y) * blockDim.y;
-  const Index token_step = static_cast<Index>(gridDim.x) * blockDim.z;
-  const Index pair0 = threadIdx.x * P;
+  const Index first_head = static_cast<Index>(blockIdx.y) * ntid_y() + tid_y();
+  const Index head_step = static_cast<Index>(gridDim.y) * ntid_y();
+  const Index token_step = static_cast<Index>(gridDim.x) * ntid_z();
+  const Index pair0 = tid_x() * P;
   // Lanes past the head's chunks (the norm rounds lanes up to a power of two) load and store
   // nothing but take part in the reduction.
-  const bool active = static_cast<Index>(threadIdx.x) < num_chunks;
+  const bool active = static_cast<Index>(tid_x()) < num_chunks;
 
   const FusedConstants consts = fused_constants(f, head_dim);
-  const Index first_token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
+  const Index first_token = static_cast<Index>(blockIdx.x) * ntid_z() + tid_z();
   for (Index token = first_token; token < num_tokens; token += token_step) {
     const TokenOffsets<Index> o = lean_token_offsets(p, token);
     float cos_v[P], sin_v[P];

@@ -23,6 +23,7 @@
 #include "numeric.cuh"
 #include "rope_params.cuh"
 #include "rotation.cuh"
+#include "thread_index.cuh"
 #include "token_offsets.cuh"
 #include "vector_io.cuh"
 
@@ -59,9 +60,9 @@ __device__ __forceinline__ Work<Index> work_of(const RopeParams& p) {
       p.copy_pass_through ? (static_cast<Index>(p.head_dim) - w.rotary_dim) / ACCESS : 0;
   w.num_heads = static_cast<Index>(p.num_q_heads + p.num_k_heads);
   w.num_tokens = static_cast<Index>(p.num_tokens);
-  w.first_head = static_cast<Index>(blockIdx.y) * blockDim.y + threadIdx.y;
-  w.head_step = static_cast<Index>(gridDim.y) * blockDim.y;
-  w.token_step = static_cast<Index>(gridDim.x) * blockDim.z;
+  w.first_head = static_cast<Index>(blockIdx.y) * ntid_y() + tid_y();
+  w.head_step = static_cast<Index>(gridDim.y) * ntid_y();
+  w.token_step = static_cast<Index>(gridDim.x) * ntid_z();
   return w;
 }
 
@@ -86,7 +87,7 @@ __device__ __forceinline__ void rope_tokens(const RopeParams& p) {
   const C sin_sign = static_cast<C>(p.sin_sign);
   const bool table_vector_ok = p.table_vector_ok != 0;
 
-  for (Index token = static_cast<Index>(blockIdx.x) * blockDim.z + threadIdx.z;
+  for (Index token = static_cast<Index>(blockIdx.x) * ntid_z() + tid_z();
        token < num_tokens; token += token_step) {
     const TokenOffsets<Index> o = LEAN ? lean_token_offsets(p, token) : token_offsets(p, token);
     // The position (M-RoPE: its temporal component; pair_position reads the others).
@@ -97,7 +98,7 @@ __device__ __forceinline__ void rope_tokens(const RopeParams& p) {
     // (no lane only copies while its neighbours rotate: that divergence halved partial-rotary
     // throughput). cos/sin come first: loading the first head before them, to overlap the
     // position -> cache-row latency, spills under the register caps above.
-    for (Index lane = threadIdx.x; lane < num_chunks; lane += blockDim.x) {
+    for (Index lane = tid_x(); lane < num_chunks; lane += ntid_x()) {
       const Index pair0 = lane * P;
       C cos_v[P], sin_v[P];
       chunk_angles<SOURCE, LEAN>(p, o, position, pair0, cos_table, sin_table, cos_col_stride,
@@ -130,15 +131,15 @@ __device__ __forceinline__ void rope_tokens_shared_angles(const RopeParams& p) {
   const C sin_sign = static_cast<C>(p.sin_sign);
 
   extern __shared__ __align__(16) unsigned char shared_angles[];
-  C* const token_cos = reinterpret_cast<C*>(shared_angles) + threadIdx.z * 2 * half;
+  C* const token_cos = reinterpret_cast<C*>(shared_angles) + tid_z() * 2 * half;
   C* const token_sin = token_cos + half;
-  const Index rank = static_cast<Index>(threadIdx.y) * blockDim.x + threadIdx.x;
-  const Index threads_per_token = static_cast<Index>(blockDim.y) * blockDim.x;
+  const Index rank = static_cast<Index>(tid_y()) * ntid_x() + tid_x();
+  const Index threads_per_token = static_cast<Index>(ntid_y()) * ntid_x();
   const C factor = static_cast<C>(p.attention_factor);
   // The loop runs the same number of times in every thread of the block: __syncthreads inside.
-  for (Index base = static_cast<Index>(blockIdx.x) * blockDim.z; base < num_tokens;
+  for (Index base = static_cast<Index>(blockIdx.x) * ntid_z(); base < num_tokens;
        base += token_step) {
-    const Index token = base + threadIdx.z;
+    const Index token = base + tid_z();
     const bool active = token < num_tokens;
     const TokenOffsets<Index> o = lean_token_offsets(p, active ? token : Index(0));
     if (active) {
@@ -148,7 +149,7 @@ __device__ __forceinline__ void rope_tokens_shared_angles(const RopeParams& p) {
     }
     __syncthreads();
     if (active) {
-      for (Index lane = threadIdx.x; lane < num_chunks; lane += blockDim.x) {
+      for (Index lane = tid_x(); lane < num_chunks; lane += ntid_x()) {
         const Index pair0 = lane * P;
         C cos_v[P], sin_v[P];
         load_elements<true>(cos_v, token_cos + pair0);
@@ -176,9 +177,7 @@ void rope_kernel(const RopeParams p) {
 // no M-RoPE, cos/sin rows (if read) contiguous and aligned for vector loads, 16-byte accesses and
 // 32-bit offsets (VECTOR is true and WIDE_INDEX false in every instantiation).
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
-__global__ __launch_bounds__(kMaxThreadsPerBlock,
-                             MinBlocksPerSM<T, TableT, SOURCE, WIDE_INDEX, true>::value)
-void rope_lean_kernel(const RopeParams p) {
+__device__ __forceinline__ void rope_lean(const RopeParams& p) {
   static_assert(VECTOR && !WIDE_INDEX, "lean kernels take 16-byte accesses and 32-bit offsets");
   wait_for_previous_grid();  // a no-op unless the host made this a programmatic dependent launch
   if constexpr (SOURCE == kComputedAngles) {
@@ -186,6 +185,13 @@ void rope_lean_kernel(const RopeParams p) {
   } else {
     rope_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, true>(p);
   }
+}
+
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
+__global__ __launch_bounds__(kMaxThreadsPerBlock,
+                             MinBlocksPerSM<T, TableT, SOURCE, WIDE_INDEX, true>::value)
+void rope_lean_kernel(const RopeParams p) {
+  rope_lean<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX>(p);
 }
 
 // Few tokens (decided on the host: launch.decode_kernel_applies): the lean kernel's layouts, one

@@ -6,6 +6,7 @@
 
 #include "numeric.cuh"
 #include "rope_params.cuh"
+#include "thread_index.cuh"
 #include "token_offsets.cuh"
 #include "vector_io.cuh"
 
@@ -116,7 +117,7 @@ __device__ __forceinline__ void copy_pass_through(const RopeParams& p, const Tok
                                                   Index first_head, Index head_step,
                                                   Index num_heads, Index rotary_dim,
                                                   Index pass_chunks) {
-  for (Index c = threadIdx.x; c < pass_chunks; c += blockDim.x) {
+  for (Index c = tid_x(); c < pass_chunks; c += ntid_x()) {
     const Index col = rotary_dim + c * ACCESS;
 #pragma unroll 4
     for (Index head = first_head; head < num_heads; head += head_step) {

@@ -98,11 +98,12 @@ def test_routes_call_the_core_and_the_core_imports_no_route():
 
 def test_only_the_interop_boundary_imports_frameworks():
     """torch, JAX and CuPy objects are handled in arrays.py; the routes (torch_ops with its
-    DTensor sharding rules in torch_sharding, jax_ops), the torch adapters (compat) and the
-    compile/launch layer (kernels, launch, recipes, through arrays.cupy_module) are the only other
-    places that name a framework."""
+    DTensor sharding rules in torch_sharding, jax_ops with its jax.numpy lowering in jax_lowering
+    and its native XLA call in jax_native), the torch adapters (compat) and the compile/launch
+    layer (kernels, launch, recipes, through arrays.cupy_module) are the only other places that
+    name a framework."""
     allowed = {"arrays.py", "torch_ops.py", "torch_sharding.py", "jax_ops.py", "jax_lowering.py",
-               "api.py"}
+               "jax_native.py", "api.py"}
     for path in PACKAGE.glob("*.py"):
         if path.name in allowed or path.name == "__main__.py":
             continue

@@ -1,0 +1,200 @@
+"""apply_rope under jax.jit on an NVIDIA GPU: one native XLA kernel call (cupyrope.jax_native).
+
+Every case compares the jitted result with the float64 reference; the compiled module must hold
+the kernel call and no Python callback. grad, vmap (one call for the batch) and a jax.export round
+trip run through the same call.
+"""
+
+from __future__ import annotations
+
+import os
+
+# JAX would take 75% of the GPU memory at its first array (see test_gpu_interop.py).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import cupyrope as cr  # noqa: E402
+from reference import reference_inv_freq, reference_rope  # noqa: E402
+from tolerances import assert_rope_close, np_dtype  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+
+def random_host(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    """N(0, 1) in ``dtype`` (no exact zeros)."""
+    values = rng.standard_normal(shape)
+    return np.where(np.abs(values) < 1e-3, 0.5, values).astype(np_dtype(dtype))
+
+MAX_POSITION = 4096
+NATIVE = "triton_kernel_call_ffi"
+
+
+@pytest.fixture(scope="module")
+def device():
+    try:
+        devices = jax.devices("cuda")
+    except Exception as exc:  # no CUDA backend in this jaxlib
+        pytest.skip(f"JAX has no CUDA backend ({type(exc).__name__}: {exc})")
+    from cupyrope import jax_native
+
+    reason = jax_native.unavailable_reason()
+    if reason is not None:
+        pytest.fail(f"a JAX CUDA backend without the native call: {reason}")
+    return devices[0]
+
+
+def _hlo(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def _native_calls(f, *args) -> int:
+    text = _hlo(f, *args)
+    assert "callback" not in text.lower(), "a Python callback in the compiled module"
+    return text.count(f'custom_call_target="{NATIVE}"')
+
+
+def _angles(rng, source, token_shape, rotary_dim, interleaved, device):
+    """(call kwargs on the device, reference kwargs, max |angle| for the bound)."""
+    positions = rng.integers(0, MAX_POSITION, token_shape).astype(np.int32)
+    if source == "cache":
+        cache = cr.cos_sin_cache(MAX_POSITION, rotary_dim)  # float32, built in float64
+        return (dict(positions=jax.device_put(positions, device),
+                     cos_sin_cache=jax.device_put(cache, device)),
+                dict(positions=positions, cos_sin_cache=cache), 0.0)
+    if source == "tables":
+        angles = positions[..., None] * reference_inv_freq(rotary_dim)
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        return (dict(cos=jax.device_put(cos, device), sin=jax.device_put(sin, device)),
+                dict(cos=cos, sin=sin), 0.0)
+    inv_freq = reference_inv_freq(rotary_dim)
+    return (dict(positions=jax.device_put(positions, device), theta=10000.0),
+            dict(positions=positions, theta=10000.0),
+            float(np.max(np.abs(positions)) * inv_freq.max()))
+
+
+CASES = {
+    # name: (token shape, q heads, k heads, head_dim, rotary_dim, dtype)
+    "decode": ((1,), 32, 8, 128, 128, "bfloat16"),
+    "decode_32": ((32,), 32, 8, 128, 128, "float16"),
+    "lean": ((3000,), 8, 2, 128, 128, "bfloat16"),
+    "partial_rotary": ((300,), 4, 1, 128, 64, "float32"),
+    "odd_heads": ((7,), 5, 3, 64, 64, "bfloat16"),
+    "batch_seq": ((2, 9), 4, 2, 80, 80, "bfloat16"),
+    "q_only": ((17,), 6, None, 128, 128, "float32"),
+}
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("source", ["cache", "tables", "computed"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_jit_is_one_native_call(device, rng, case, source, interleaved):
+    token_shape, hq, hk, d, rotary_dim, dtype = CASES[case]
+    if source == "tables" and rotary_dim < d:
+        rotary_dim = d  # per-token tables: full rotation here (partial is the cache's case)
+    xq = random_host(rng, token_shape + (hq, d), dtype)
+    xk = None if hk is None else random_host(rng, token_shape + (hk, d), dtype)
+    call, ref, max_angle = _angles(rng, source, token_shape, rotary_dim, interleaved, device)
+    if source == "computed":
+        call["rotary_dim"] = ref["rotary_dim"] = rotary_dim
+    q = jax.device_put(xq, device)
+    k = None if xk is None else jax.device_put(xk, device)
+
+    arrays = {name: x for name, x in call.items() if isinstance(x, jax.Array)}
+    options = {name: x for name, x in call.items() if name not in arrays}
+
+    def f(q, k, arrays):
+        return cr.apply_rope(q, k, interleaved=interleaved, **arrays, **options)
+
+    assert _native_calls(f, q, k, arrays) == 1
+    outs = jax.jit(f)(q, k, arrays)
+    outs = (outs,) if k is None else outs
+    for out, x in zip(outs, (xq, xk)):
+        assert out.dtype == x.dtype and out.shape == x.shape
+        assert_rope_close(np.asarray(out), reference_rope(x, interleaved=interleaved, **ref), x,
+                          interleaved=interleaved, rotary_dim=rotary_dim, max_angle=max_angle)
+
+
+def test_grad_is_the_inverse_rotation(device, rng):
+    xq = random_host(rng, (6, 4, 64), "float32")
+    positions = rng.integers(0, MAX_POSITION, 6).astype(np.int32)
+    cache = cr.cos_sin_cache(MAX_POSITION, 64)
+    weights = random_host(rng, (6, 4, 64), "float32")
+    args = [jax.device_put(a, device) for a in (xq, positions, cache, weights)]
+
+    def loss(q, positions, cache, w):
+        return jnp.sum(cr.apply_rope(q, positions=positions, cos_sin_cache=cache) * w)
+
+    grad = jax.jit(jax.grad(loss))(*args)
+    # One call: the backward's inverse rotation (the loss is linear in the forward's output, so
+    # XLA drops the forward call as dead code).
+    assert _native_calls(jax.grad(loss), *args) == 1
+    exact = reference_rope(weights, positions, cos_sin_cache=cache, inverse=True)
+    assert_rope_close(np.asarray(grad), exact, weights, interleaved=False, rotary_dim=64)
+
+
+def test_vmap_is_one_call_for_the_batch(device, rng):
+    xq = random_host(rng, (5, 7, 4, 64), "bfloat16")
+    positions = rng.integers(0, MAX_POSITION, (5, 7)).astype(np.int32)
+    cache = cr.cos_sin_cache(MAX_POSITION, 64)
+    args = [jax.device_put(a, device) for a in (xq, positions, cache)]
+
+    def f(q, positions, cache):
+        return jax.vmap(lambda q, p: cr.apply_rope(q, positions=p, cos_sin_cache=cache))(
+            q, positions)
+
+    assert _native_calls(f, *args) == 1
+    out = np.asarray(jax.jit(f)(*args))
+    for b in range(5):
+        assert_rope_close(out[b], reference_rope(xq[b], positions[b], cos_sin_cache=cache),
+                          xq[b], interleaved=False, rotary_dim=64)
+
+
+def test_export_round_trip(device, rng):
+    pytest.importorskip("flatbuffers", reason="jax.export's serialisation needs flatbuffers")
+    xq = random_host(rng, (9, 4, 128), "bfloat16")
+    positions = rng.integers(0, MAX_POSITION, 9).astype(np.int32)
+    args = [jax.device_put(a, device) for a in (xq, positions)]
+
+    def f(q, positions):
+        return cr.apply_rope(q, positions=positions, theta=500000.0)
+
+    exported = jax.export.export(
+        jax.jit(f), platforms=("cuda",),
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(NATIVE)])(*args)
+    restored = jax.export.deserialize(exported.serialize())
+    again = np.asarray(restored.call(*args))
+    assert np.array_equal(again.view(np.uint16), np.asarray(jax.jit(f)(*args)).view(np.uint16))
+    inv_freq = reference_inv_freq(128, 500000.0)
+    assert_rope_close(again, reference_rope(xq, positions, theta=500000.0), xq,
+                      interleaved=False, rotary_dim=128,
+                      max_angle=float(positions.max() * inv_freq.max()))
+
+
+def test_sharded_over_heads_runs_per_device(rng):
+    devices = jax.devices("cuda") if jax.default_backend() == "gpu" else []
+    if len(devices) < 2:
+        pytest.skip("needs two GPUs")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(devices[:2]), ("x",))
+    xq = random_host(rng, (64, 8, 128), "bfloat16")
+    positions = rng.integers(0, MAX_POSITION, 64).astype(np.int32)
+    cache = cr.cos_sin_cache(MAX_POSITION, 128)
+    q = jax.device_put(xq, NamedSharding(mesh, PartitionSpec(None, "x", None)))
+    rest = [jax.device_put(a, NamedSharding(mesh, PartitionSpec())) for a in (positions, cache)]
+
+    def f(q, positions, cache):
+        return cr.apply_rope(q, positions=positions, cos_sin_cache=cache)
+
+    with mesh:
+        text = jax.jit(f).lower(q, *rest).compile().as_text()
+        out = jax.jit(f)(q, *rest)
+    assert "all-gather" not in text and "all-to-all" not in text
+    assert out.sharding.is_equivalent_to(q.sharding, 3)
+    assert_rope_close(np.asarray(out), reference_rope(xq, positions, cos_sin_cache=cache), xq,
+                      interleaved=False, rotary_dim=128)
