@@ -55,12 +55,12 @@ CALL_TARGET = "triton_kernel_call_ffi"
 # The kernel call checks that every array parameter's address is a multiple of this: the vector
 # path the plan assumes needs 16-byte alignment (XLA aligns its buffers to far more).
 POINTER_DIVISIBILITY = 16
-# The data pointers in the order the entry takes them: XLA passes operands, then results.
-_OPERAND_POINTERS = ("q", "k", "positions", "cos", "sin", "inv_freq")
-_RESULT_POINTERS = ("q_out", "k_out")
-# Where each of them sits among the parameter struct's leading eight pointer words.
-_STRUCT_WORD = {"q": 0, "k": 1, "q_out": 2, "k_out": 3, "positions": 4, "cos": 5, "sin": 6,
-                "inv_freq": 7}
+# Where the array each XLA buffer holds goes in the kernel's parameter structs: (struct, word).
+# RopeParams and DecodeParams lead with the same eight pointers; FusionParams with its nine.
+_ROPE_WORDS = {"q": 0, "k": 1, "q_out": 2, "k_out": 3, "positions": 4, "cos_sin_cache": 5,
+               "cos": 5, "sin": 6, "inv_freq": 7}
+_FUSION_WORDS = {"q_weight": 0, "k_weight": 1, "q_scale": 2, "k_scale": 3, "v_scale": 4, "v": 5,
+                 "k_cache": 6, "v_cache": 7, "slot_mapping": 8}
 _FAKE_POINTER_STEP = 1 << 40  # planning addresses: 256-aligned, far apart (no overlap)
 
 
@@ -89,66 +89,107 @@ def lower_rope(ctx, *operands, static, present):
 
     ``operands``: q, then k, positions, cos_sin_cache, cos, sin where ``present`` marks them;
     ``static``: the call's options (``jax_ops._Static``). Returns q_out (and k_out)."""
-    from jax._src.interpreters import mlir
-    from jax._src.lib.mlir import ir
-
     names = ("q",) + tuple(name for name, here in zip(
         ("k", "positions", "cos_sin_cache", "cos", "sin"), present) if here)
-    device = kernels.current_device()
-    infos = {name: _planning_info(aval, name, index, device)
-             for index, (name, aval) in enumerate(zip(names, ctx.avals_in))}
+    infos = planning_infos(ctx, names)
     plan = plan_rope(infos["q"], infos.get("k"), infos.get("positions"),
                      cos_sin_cache=infos.get("cos_sin_cache"), cos=infos.get("cos"),
                      sin=infos.get("sin"), **static.call_options())
-    if plan.is_empty:  # nothing to rotate: empty results, no launch
-        return [mlir.full_like_aval(ctx, 0, aval) for aval in ctx.avals_out]
-    outputs = [_planning_info(aval, "output", len(names) + i, device, writable=True)
-               for i, aval in enumerate(ctx.avals_out)]
+    return lower_planned(ctx, operands, names, plan)
+
+
+def planning_infos(ctx, names: tuple[str, ...]) -> dict[str, ArrayInfo]:
+    """The operands by name as XLA will pass them (C order, on the current device), with planning
+    addresses: aligned like XLA's buffers and apart from one another, so no check sees an
+    overlap. What ``plan_rope`` / ``plan_fused`` plan a native call from."""
+    device = kernels.current_device()
+    infos = {}
+    for index, (name, aval) in enumerate(zip(names, ctx.avals_in)):
+        info = describe_traced(aval, name)
+        info.device, info.ptr = device, _fake_pointer(index)
+        infos[name] = info
+    return infos
+
+
+def lower_planned(ctx, operands, names: tuple[str, ...], plan):
+    """One XLA kernel call of a checked plan (``plan_rope`` or ``plan_fused`` on
+    :func:`planning_infos`): ``operands`` are the IR values of ``names``; returns the results'
+    IR values (q_out, k_out, then a cache write's new caches: the input caches' buffers, which
+    the call declares aliased and writes in place)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    if plan.is_empty:  # nothing to rotate: the inputs' caches, empty outputs, no launch
+        return _empty_results(ctx, operands, names, mlir)
+    device = plan.device
+    fusion = plan.fusion
+    if fusion is not None:
+        launch.check_fp8_support(plan)
+    rotated = 1 if plan.k is None else 2
+    outputs = []
+    for i, aval in enumerate(ctx.avals_out[:rotated]):
+        info = describe_traced(aval, "output")
+        info.device, info.ptr, info.writable = device, _fake_pointer(len(names) + 1 + i), True
+        if fusion is not None and fusion.out_dtype is not None:
+            info.dtype = fusion.out_dtype
+        outputs.append(info)
     inv_freq = None
     if plan.source == AngleSource.COMPUTED:
         inv_freq = np.ascontiguousarray(plan.inv_freq, dtype=np.float64)
     arithmetic = (kernels.angle_arithmetic(device) if plan.source == AngleSource.COMPUTED
                   else None)
     spec = launch.plan_launch(
-        plan, outputs, inv_freq_ptr=0 if inv_freq is None else _fake_pointer(len(names) + 2),
+        plan, outputs, inv_freq_ptr=0 if inv_freq is None else _fake_pointer(len(names)),
         num_regs=lambda kernel_spec: kernels.get_kernel(kernel_spec, device).num_regs,
         multiprocessors=launch._multiprocessors(device), angle_arithmetic=arithmetic)
     block, shared_bytes = _flat_block(plan, spec)
-    kernel = _kernel_call_kernel(spec, block, shared_bytes, device)
+
+    # XLA's buffers: the operands (the cos/sin cache is `cos`; sin is found by offset), the
+    # frequencies as a constant, then the results (a cache write's new caches are aliased to the
+    # input caches, written through those).
+    buffers = list(names)
+    nodes = list(operands)
+    if inv_freq is not None:
+        buffers.append("inv_freq")
+        nodes.append(mlir.ir_constant(inv_freq.view(np.uint32)))
+    buffers += ["q_out", "k_out"][:rotated]
+    caches = [name for name in ("k_cache", "v_cache") if name in names]
+    buffers += [None] * len(caches)  # the aliased new caches: not read by the kernel
+    kernel = _kernel_call_kernel(spec, block, shared_bytes, device, tuple(buffers))
 
     gpu_triton = _gpu_triton()
-    buffers = {name: infos.get(name) for name in ("q", "k", "positions")}
-    if plan.source == AngleSource.CACHE_TABLE:
-        buffers["cos"] = infos["cos_sin_cache"]
-    elif plan.source == AngleSource.TOKEN_TABLES:
-        buffers["cos"], buffers["sin"] = infos["cos"], infos["sin"]
-    nodes = list(operands)
-    if inv_freq is not None:  # the schedule's float64 frequencies, a constant of the module
-        buffers["inv_freq"] = True
-        nodes.append(mlir.ir_constant(inv_freq.view(np.uint32)))
-    parameters = []
-    for name in _OPERAND_POINTERS:
-        parameters.append(_array() if buffers.get(name) is not None else _word(0))
-    parameters.append(_array())  # q_out
-    parameters.append(_array() if plan.k is not None else _word(0))
+    parameters = [gpu_triton.create_array_parameter(0, POINTER_DIVISIBILITY) for _ in buffers]
     parameters.append(gpu_triton.create_scalar_parameter(
         -1 if spec.sin_offset is None else int(spec.sin_offset), "i64"))
-    words = np.frombuffer(spec.params.tobytes(), dtype=np.uint64)
-    parameters += [_word(int(w)) for w in words[8:]]
-    grid = (int(spec.grid[0]), int(spec.grid[1]), 1)
-    call = gpu_triton.TritonKernelCall(kernel, *grid, parameters)
-    name = kernel_name(spec, block)
-    result_types = [mlir.aval_to_ir_type(ctx.module_context, aval) for aval in ctx.avals_out]
-    layouts = [list(reversed(range(len(aval.shape)))) for aval in ctx.avals_in]
+    for struct in (spec.params, spec.fusion_params):
+        if struct is not None:
+            parameters += [gpu_triton.create_scalar_parameter(int(w), "u64")
+                           for w in np.frombuffer(struct.tobytes(), dtype=np.uint64)]
+    call = gpu_triton.TritonKernelCall(kernel, int(spec.grid[0]), int(spec.grid[1]), 1,
+                                       parameters)
+    name = kernel_name(spec, block, tuple(buffers))
+    row_major = [list(reversed(range(len(aval.shape)))) for aval in ctx.avals_in]
     if inv_freq is not None:
-        layouts.append([0])
+        row_major.append([0])
+    aliases = {names.index(cache): rotated + i for i, cache in enumerate(caches)}
     return mlir.custom_call(
-        CALL_TARGET, result_types=result_types, operands=nodes,
+        CALL_TARGET,
+        result_types=[mlir.aval_to_ir_type(ctx.module_context, aval) for aval in ctx.avals_out],
+        operands=nodes,
         backend_config=dict(name=ir.StringAttr.get(name),
                             opaque=ir.StringAttr.get(zlib.compress(call.to_proto(name, b"")))),
-        operand_layouts=layouts,
+        operand_layouts=row_major,
         result_layouts=[list(reversed(range(len(aval.shape)))) for aval in ctx.avals_out],
+        operand_output_aliases=aliases or None,
     ).results
+
+
+def _empty_results(ctx, operands, names, mlir):
+    results = [mlir.full_like_aval(ctx, 0, aval) for aval in ctx.avals_out]
+    caches = [operands[names.index(name)] for name in ("k_cache", "v_cache") if name in names]
+    if caches:
+        results[-len(caches):] = caches
+    return results
 
 
 def _gpu_triton():
@@ -157,24 +198,8 @@ def _gpu_triton():
     return gpu_triton
 
 
-def _array():
-    return _gpu_triton().create_array_parameter(0, POINTER_DIVISIBILITY)
-
-
-def _word(value: int):
-    return _gpu_triton().create_scalar_parameter(value, "u64")
-
-
 def _fake_pointer(index: int) -> int:
     return (index + 1) * _FAKE_POINTER_STEP
-
-
-def _planning_info(aval, name: str, index: int, device: int, writable: bool = False) -> ArrayInfo:
-    """An array as XLA will pass it (C order, on ``device``) with a planning address: aligned
-    like XLA's buffers and apart from every other operand's, so no check sees an overlap."""
-    info = describe_traced(aval, name)
-    info.device, info.ptr, info.writable = device, _fake_pointer(index), writable
-    return info
 
 
 def _flat_block(plan, spec) -> tuple[tuple[int, int, int], int]:
@@ -194,67 +219,84 @@ def _flat_block(plan, spec) -> tuple[tuple[int, int, int], int]:
         choice = (x, max(shapes)[2], max(shapes)[1]) if shapes else None
     if choice is None:
         raise NotImplementedError(
-            f"apply_rope under jax.jit: no block of whole warps within {limit} threads fits the "
+            f"cupyrope under jax.jit: no block of whole warps within {limit} threads fits the "
             f"planned block {tuple(spec.block)} for XLA's kernel call")
-    if spec.kernel.decode and spec.kernel.source == AngleSource.COMPUTED:
-        shared_bytes = launch.decode_shared_angle_bytes(plan, choice)
+    kernel = spec.kernel
+    if kernel.fused:
+        shared_bytes = (0 if kernel.lean else launch.fused_shared_bytes(
+            plan, plan.fusion, bool(spec.fusion_params["ring"]), choice))
+    elif kernel.decode:
+        shared_bytes = (launch.decode_shared_angle_bytes(plan, choice)
+                        if kernel.source == AngleSource.COMPUTED else 0)
     else:
-        shared_bytes = launch.shared_angle_bytes(plan, spec.kernel, choice)
+        shared_bytes = launch.shared_angle_bytes(plan, kernel, choice)
     return choice, shared_bytes
 
 
-def kernel_name(spec, block) -> str:
-    """The entry's (unmangled) name: unique per specialisation and block shape."""
-    digest = hashlib.sha256(f"{spec.kernel.name_expression}{block}".encode()).hexdigest()[:16]
+def kernel_name(spec, block, buffers: tuple) -> str:
+    """The entry's (unmangled) name: unique per specialisation, block shape and buffer order."""
+    digest = hashlib.sha256(
+        f"{spec.kernel.name_expression}{block}{buffers}".encode()).hexdigest()[:16]
     return f"cupyrope_xla_{digest}"
 
 
-# What the entry runs, by kernel: the body of the __global__ kernel the eager launch would use.
-def _body(spec) -> tuple[str, str, str]:
-    """(parameter struct, body call, launch bounds) of the entry for a kernel specialisation."""
-    template = spec.name_expression[spec.name_expression.index("<"):]
-    args = template[1:-1]
-    if spec.decode:
-        t, table, _, interleaved, source, _ = (a.strip() for a in args.split(","))
-        return ("cupyrope::DecodeParams",
-                f"cupyrope::rope_decode_thread<{t}, {table}, {interleaved}, {source}>",
-                "cupyrope::kMaxThreadsPerBlock")
-    t, table, _, _, source, wide = (a.strip() for a in args.split(","))
-    if spec.lean:
-        return ("cupyrope::RopeParams", f"cupyrope::rope_lean{template}",
-                f"cupyrope::kMaxThreadsPerBlock, "
-                f"cupyrope::MinBlocksPerSM<{t}, {table}, {source}, {wide}, true>::value")
-    return ("cupyrope::RopeParams", f"cupyrope::rope_tokens{template[:-1]}, false>",
-            f"cupyrope::kMaxThreadsPerBlock, "
-            f"cupyrope::MinBlocksPerSM<{t}, {table}, {source}, {wide}, false>::value")
+def _body(kernel) -> tuple[str, str]:
+    """(body call, launch bounds) of the entry for a kernel specialisation: the device function
+    its __global__ kernel runs, with the same register budget."""
+    template = kernel.name_expression[kernel.name_expression.index("<"):]
+    args = [a.strip() for a in template[1:-1].split(",")]
+    t, table, _, interleaved, source, wide = args[:6]
+    threads = "cupyrope::kMaxThreadsPerBlock"
+    if kernel.fused and kernel.lean:
+        norm, cache = args[6:]
+        return (f"cupyrope::rope_fused_lean{template}",
+                f"{threads}, cupyrope::FusedLeanMinBlocksPerSM<{t}, {interleaved}, {norm}, "
+                f"{cache}>::value")
+    if kernel.fused:
+        return (f"cupyrope::rope_fused_tokens{template}",
+                f"{threads}, cupyrope::FusedMinBlocksPerSM<{args[2]}, {interleaved}, {wide}>::value")
+    if kernel.decode:
+        return f"cupyrope::rope_decode_thread<{t}, {table}, {interleaved}, {source}>", threads
+    if kernel.lean:
+        return (f"cupyrope::rope_lean{template}",
+                f"{threads}, cupyrope::MinBlocksPerSM<{t}, {table}, {source}, {wide}, true>::value")
+    return (f"cupyrope::rope_tokens{template[:-1]}, false>",
+            f"{threads}, cupyrope::MinBlocksPerSM<{t}, {table}, {source}, {wide}, false>::value")
 
 
-def _entry_source(spec, block, name: str, words: int) -> str:
-    """The flat-argument entry of one launch (see the module docstring)."""
-    params, body, bounds = _body(spec.kernel)
-    pointers = _OPERAND_POINTERS + _RESULT_POINTERS
-    word_params = ",\n    ".join(f"unsigned long long w{i}" for i in range(8, words))
-    sets = "\n  ".join(f"u.w[{i}] = w{i};" for i in range(8, words))
-    pointer_sets = "\n  ".join(f"u.w[{_STRUCT_WORD[p]}] = ptr_{p};" for p in pointers)
-    pointer_params = ",\n    ".join(f"unsigned long long ptr_{p}" for p in pointers)
+def _entry_source(spec, name: str, buffers: tuple) -> str:
+    """The flat-argument entry of one launch (see the module docstring): XLA's buffers in
+    ``buffers`` order (None: a buffer the kernel does not read), the cache's sin offset, then
+    every word of the parameter struct(s), whose pointer words the buffers then replace."""
+    body, bounds = _body(spec.kernel)
+    params_type = "cupyrope::DecodeParams" if spec.kernel.decode else "cupyrope::RopeParams"
+    structs = [("rope", params_type, spec.params.dtype.itemsize // 8, _ROPE_WORDS)]
+    if spec.fusion_params is not None:
+        structs.append(("fusion", "cupyrope::FusionParams",
+                        spec.fusion_params.dtype.itemsize // 8, _FUSION_WORDS))
+    arguments = [f"unsigned long long buffer{i}" for i in range(len(buffers))]
+    arguments.append("long long sin_offset")
+    lines = []
+    for label, type_name, words, where in structs:
+        arguments += [f"unsigned long long {label}{i}" for i in range(words)]
+        lines.append(f"union {{ {type_name} p; unsigned long long w[{words}]; }} {label};")
+        lines += [f"{label}.w[{i}] = {label}{i};" for i in range(words)]
+        lines += [f"{label}.w[{where[b]}] = buffer{i};" for i, b in enumerate(buffers)
+                  if b in where]
+    cos = buffers.index("cos_sin_cache") if "cos_sin_cache" in buffers else None
+    if cos is not None:  # the cos/sin cache: sin is the second half of cos's row
+        lines.append(f"rope.w[{_ROPE_WORDS['sin']}] = buffer{cos} + "
+                     "static_cast<unsigned long long>(sin_offset);")
+    call_args = "rope.p" + (", fusion.p" if spec.fusion_params is not None else "")
+    lines.append(f"{body}({call_args});")
+    separator = ",\n    "
+    statements = "\n  ".join(lines)
     return f"""#include "rope.cu"
 
-// XLA's entry: data pointers in XLA's buffer order, then the struct's other words.
+// XLA's entry (cupyrope/jax_native.py): XLA's buffers, the cache's sin offset, the struct words.
 extern "C" __global__ void __launch_bounds__({bounds}) {name}(
-    {pointer_params},
-    long long sin_offset,
-    {word_params}) {{
-  union {{
-    {params} p;
-    unsigned long long w[{words}];
-  }} u;
-  {pointer_sets}
-  {sets}
-  // A cos/sin cache: sin is the second half of cos's row (one XLA buffer).
-  if (sin_offset >= 0) {{
-    u.w[{_STRUCT_WORD["sin"]}] = ptr_cos + static_cast<unsigned long long>(sin_offset);
-  }}
-  {body}(u.p);
+    {separator.join(arguments)}) {{
+  {statements}
 }}
 """
 
@@ -263,14 +305,12 @@ _ptx_cache: dict = {}
 _ptx_lock = threading.Lock()
 
 
-def _kernel_call_kernel(spec, block, shared_bytes: int, device: int):
+def _kernel_call_kernel(spec, block, shared_bytes: int, device: int, buffers: tuple):
     """jaxlib's TritonKernel for one launch: the entry compiled to PTX for ``device``."""
-    cupy = cupy_module()
-    major_minor = cupy.cuda.Device(device).compute_capability  # e.g. "90"
+    major_minor = cupy_module().cuda.Device(device).compute_capability  # e.g. "90"
     arithmetic = kernels.kernel_arithmetic(spec.kernel, device)
-    name = kernel_name(spec, block)
-    words = spec.params.dtype.itemsize // 8
-    key = (name, major_minor, arithmetic, kernels.source_fingerprint(), words)
+    name = kernel_name(spec, block, buffers)
+    key = (name, major_minor, arithmetic, kernels.source_fingerprint())
     with _ptx_lock:
         ptx = _ptx_cache.get(key)
         if ptx is None:
@@ -278,7 +318,7 @@ def _kernel_call_kernel(spec, block, shared_bytes: int, device: int):
                 f"--gpu-architecture=compute_{major_minor}",
                 f"-DCUPYROPE_FLAT_BLOCK_X={block[0]}", f"-DCUPYROPE_FLAT_BLOCK_Y={block[1]}",
                 f"-DCUPYROPE_FLAT_BLOCK_Z={block[2]}")
-            ptx = _nvrtc_ptx(_entry_source(spec, block, name, words), options)
+            ptx = _nvrtc_ptx(_entry_source(spec, name, buffers), options)
             _ptx_cache[key] = ptx
     threads = block[0] * block[1] * block[2]
     return _gpu_triton().TritonKernel(name, threads // 32, 1, shared_bytes, ptx, "",

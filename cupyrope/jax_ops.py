@@ -736,21 +736,39 @@ def _gpu_lowering(kind: str, platform: str, ctx, *operands, **params):
     aliases to the input caches. Returns the results' IR values.
 
     The rotation on NVIDIA GPUs is a native XLA kernel call (:mod:`cupyrope.jax_native`) where
-    this jaxlib offers one; everything else (the fused ops, validate=True, ROCm, a jaxlib without
-    the kernel call: warned once) takes the buffer_callback route, on XLA's buffers and stream."""
-    if kind == "rope" and platform == "cuda" and not params["static"].validate:
+    this jaxlib offers one, and so are the fused ops; validate=True, ROCm and a jaxlib without
+    the kernel call (warned once) take the buffer_callback route, on XLA's buffers and stream."""
+    validate = (params["static"] if kind == "rope" else params["fused"].rope).validate
+    if platform == "cuda" and not validate:
         reason = jax_native.unavailable_reason()
         if reason is None:
-            return jax_native.lower_rope(ctx, *operands, **params)
+            if kind == "rope":
+                return jax_native.lower_rope(ctx, *operands, **params)
+            fused = params["fused"]
+            return jax_native.lower_planned(ctx, operands, fused.names, _native_fused_plan(
+                ctx, fused))
         _warn_callback_route(reason)
     body = _rope_callback_outputs if kind == "rope" else _fused_callback_outputs
     return mlir.lower_fun(functools.partial(body, **params), multiple_results=True)(ctx, *operands)
 
 
+def _native_fused_plan(ctx, fused: _Fused):
+    """The checked plan of a fused call for the native kernel call, from XLA's shapes (as
+    :func:`_planning_info` prepares them for the checks: the caches are written, one-element
+    scales are read by the kernel)."""
+    infos = jax_native.planning_infos(ctx, fused.names)
+    for name, info in infos.items():
+        if name in _CACHES:
+            info.writable = True
+        elif name in _SCALES and info.size == 1:
+            info.view = np.ones(info.shape, np.float32)
+    return _plan(fused.where, fused.rope, dict(fused.options), infos, validate=False)
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_callback_route(reason: str) -> None:
     """Say once (per reason) that traced calls on this GPU run through the callback."""
-    warnings.warn(f"cupyrope: apply_rope under jax.jit runs through a Python callback on this GPU "
+    warnings.warn(f"cupyrope: calls under jax.jit run through a Python callback on this GPU "
                   f"(no native XLA call: {reason}); it works, with a Python call per execution",
                   RuntimeWarning, stacklevel=2)
 

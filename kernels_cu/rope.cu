@@ -234,12 +234,18 @@ struct FusedLeanMinBlocksPerSM {
 
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
           bool NORM, bool CACHE>
-__global__ __launch_bounds__(kMaxThreadsPerBlock,
-                             FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE>::value)
-void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
+__device__ __forceinline__ void rope_fused_lean(const RopeParams& p, const FusionParams& f) {
   static_assert(VECTOR && !WIDE_INDEX, "lean kernels take 16-byte accesses and 32-bit offsets");
   wait_for_previous_grid();  // a no-op unless the host made this a programmatic dependent launch
   rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE>(p, f);
+}
+
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
+          bool NORM, bool CACHE>
+__global__ __launch_bounds__(kMaxThreadsPerBlock,
+                             FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE>::value)
+void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
+  rope_fused_lean<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, NORM, CACHE>(p, f);
 }
 
 }  // namespace cupyrope

@@ -198,3 +198,84 @@ def test_sharded_over_heads_runs_per_device(rng):
     assert out.sharding.is_equivalent_to(q.sharding, 3)
     assert_rope_close(np.asarray(out), reference_rope(xq, positions, cos_sin_cache=cache), xq,
                       interleaved=False, rotary_dim=128)
+
+
+# --------------------------------------------------------------------------------------------------
+# The fused ops: the same native call; each result equals the eager call's on CuPy arrays (the
+# same kernel, whose results the GPU suite checks against the float64 references).
+
+
+def _cupy_call(op, *arrays, **options):
+    cupy = pytest.importorskip("cupy")
+    outs = op(*(None if a is None else cupy.asarray(np.asarray(a)) for a in arrays), **options)
+    return [np.asarray(o.get()) for o in (outs if isinstance(outs, tuple) else (outs,))]
+
+
+@pytest.mark.parametrize("source", ["cache", "computed"])
+@pytest.mark.parametrize("tokens", [1, 700])
+def test_rms_norm_rope_is_one_native_call(device, rng, tokens, source):
+    xq = random_host(rng, (tokens, 8, 128), "float16")
+    xk = random_host(rng, (tokens, 2, 128), "float16")
+    wq, wk = random_host(rng, (128,), "float32"), random_host(rng, (128,), "float32")
+    positions = rng.integers(0, MAX_POSITION, tokens).astype(np.int32)
+    cache = cr.cos_sin_cache(MAX_POSITION, 128) if source == "cache" else None
+    options = dict(eps=1e-6, weight_offset=1.0, interleaved=source == "computed")
+    host = (xq, xk, wq, wk, positions, cache)
+    args = [None if a is None else jax.device_put(a, device) for a in host]
+
+    def f(q, k, wq, wk, positions, cache):
+        return cr.rms_norm_rope(q, k, wq, wk, positions, cos_sin_cache=cache, **options)
+
+    assert _native_calls(f, *args) == 1
+    got = jax.jit(f)(*args)
+    expected = _cupy_call(lambda q, k, wq, wk, p, c: cr.rms_norm_rope(
+        q, k, wq, wk, p, cos_sin_cache=c, **options), *host)
+    for out, want in zip(got, expected):
+        assert np.array_equal(np.asarray(out), want)
+
+
+def test_fp8_outputs_are_one_native_call(device, rng):
+    xq = random_host(rng, (33, 8, 128), "bfloat16")
+    positions = rng.integers(0, MAX_POSITION, 33).astype(np.int32)
+    cache = cr.cos_sin_cache(MAX_POSITION, 128)
+    scale = np.float32(0.5)
+    args = [jax.device_put(a, device) for a in (xq, positions, cache, np.array(scale))]
+
+    def f(q, positions, cache, scale):
+        return cr.apply_rope(q, positions=positions, cos_sin_cache=cache,
+                             out_dtype="float8_e4m3fn", q_scale=scale)
+
+    assert _native_calls(f, *args) == 1
+    out = jax.jit(f)(*args)
+    assert out.dtype == jnp.float8_e4m3fn
+    exact = reference_rope(xq, positions, cos_sin_cache=cache) / 0.5
+    got = np.asarray(out).astype(np.float64)
+    # e4m3: 3 mantissa bits, so within 2^-4 of the value (relative), saturating at 448.
+    assert np.all(np.abs(got - np.clip(exact, -448, 448)) <= np.abs(exact) * 2.0 ** -4 + 2.0 ** -9)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_rope_and_cache_is_one_native_call(device, rng, layout):
+    T, H, D, blocks, block_size = 12, 2, 64, 4, 8
+    xq = random_host(rng, (T, 4, D), "float32")
+    xk, xv = random_host(rng, (T, H, D), "float32"), random_host(rng, (T, H, D), "float32")
+    shape = (blocks, block_size, H, D) if layout == "NHD" else (blocks, H, block_size, D)
+    k_cache, v_cache = random_host(rng, shape, "float32"), random_host(rng, shape, "float32")
+    slots = rng.permutation(blocks * block_size)[:T].astype(np.int32)
+    slots[3] = -1  # padding: nothing written
+    positions = rng.integers(0, MAX_POSITION, T).astype(np.int32)
+    cache = cr.cos_sin_cache(MAX_POSITION, D)
+    host = (xq, xk, xv, positions, k_cache, v_cache, slots, cache)
+    args = [jax.device_put(a, device) for a in host]
+
+    def f(q, k, v, positions, k_cache, v_cache, slots, cache):
+        return cr.rope_and_cache(q, k, v, positions, k_cache, v_cache, slots,
+                                 cos_sin_cache=cache, layout=layout, inplace=False)
+
+    assert _native_calls(f, *args) == 1
+    got = jax.jit(f)(*args)
+    expected = _cupy_call(lambda q, k, v, p, kc, vc, s, c: cr.rope_and_cache(
+        q, k, v, p, kc, vc, s, cos_sin_cache=c, layout=layout, inplace=False), *host)
+    for out, want in zip(got, expected):
+        assert np.array_equal(np.asarray(out), want)
+    assert np.array_equal(np.asarray(args[4]), k_cache)  # the input cache is not donated: kept
