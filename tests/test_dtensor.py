@@ -4,8 +4,9 @@ give the single-process result bit for bit, out of place, in place, under autogr
 torch.compile; other placements are redistributed out of place and still right, and refused in
 place.
 
-Two CPU processes on the gloo backend (CI has no GPU); every case runs in both ranks and compares
-with the same call on plain tensors. Collectives are counted with DTensor's CommDebugMode.
+Two CPU processes on the gloo backend (CI has no GPU), and two GPUs on NCCL where a machine has
+them; every case runs in both ranks and compares with the same call on plain tensors. Collectives
+are counted with DTensor's CommDebugMode.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cases():
+def _cases(device):
     """name -> (q, k, call kwargs, [(array name, placement)], collectives expected (None: any))."""
     from torch.distributed.tensor import Replicate, Shard
 
@@ -40,16 +41,19 @@ def _cases():
     T, HQ, HK, D, MAX = 6, 4, 2, 16, 64
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float32)
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(device)
+
+    def randint(high, shape):
+        return torch.randint(0, high, shape, generator=g).to(device)
 
     import cupyrope as cr
 
     q, k = randn(T, HQ, D), randn(T, HK, D)
-    positions = torch.randint(0, MAX, (T,), generator=g)
+    positions = randint(MAX, (T,))
     cache = cr.cos_sin_cache(MAX, D, dtype="float32", like=q)
     cos, sin = randn(T, D // 2), randn(T, D // 2)
     qb, kb = randn(2, T, HQ, D), randn(2, T, HK, D)
-    positions_bs = torch.randint(0, MAX, (2, T), generator=g)
+    positions_bs = randint(MAX, (2, T))
     R = Replicate()
     return {
         # tensor parallel: heads
@@ -122,7 +126,7 @@ def _check_case(mesh, name, case) -> None:
 
     # Autograd: the gradient is the inverse rotation, placed as q.
     leaf = q.clone().requires_grad_(True)
-    weight = torch.linspace(-1.0, 1.0, q.numel()).reshape(q.shape)
+    weight = torch.linspace(-1.0, 1.0, q.numel(), device=q.device).reshape(q.shape)
     (cr.apply_rope(leaf, None, **kwargs) * weight).sum().backward()
     dleaf = _distribute(mesh, q, placements["q"]).detach().requires_grad_(True)
     dweight = _distribute(mesh, weight, placements["q"])
@@ -130,7 +134,7 @@ def _check_case(mesh, name, case) -> None:
     assert torch.allclose(dleaf.grad.full_tensor(), leaf.grad, rtol=0, atol=1e-6), name
 
 
-def _check_fused(mesh) -> None:
+def _check_fused(mesh, device) -> None:
     """rms_norm_rope over heads and over tokens, fp8 outputs over heads: shard-local (weights and
     scales replicated), bit-identical to the single-process call."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -142,6 +146,7 @@ def _check_fused(mesh) -> None:
     q, k = torch.randn(6, 4, 16, generator=g), torch.randn(6, 2, 16, generator=g)
     weight = torch.rand(16, generator=g) + 0.5
     positions = torch.randint(0, 64, (6,), generator=g)
+    q, k, weight, positions = (x.to(device) for x in (q, k, weight, positions))
     cache = cr.cos_sin_cache(64, 16, dtype="float32", like=q)
     R = Replicate()
     calls = {
@@ -173,7 +178,7 @@ def _check_fused(mesh) -> None:
                 assert torch.equal(local.view(torch.uint8), chunk.view(torch.uint8)), name
 
 
-def _check_compiled(mesh) -> None:
+def _check_compiled(mesh, device) -> None:
     """torch.compile(fullgraph=True) of a function that rotates DTensors: one graph, the same
     placements and bits as eager (aot_eager: Inductor's CPU code generation needs a compiler)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -183,6 +188,7 @@ def _check_compiled(mesh) -> None:
     g = torch.Generator().manual_seed(2)
     q, k = torch.randn(6, 4, 16, generator=g), torch.randn(6, 2, 16, generator=g)
     positions = torch.randint(0, 64, (6,), generator=g)
+    q, k, positions = (x.to(device) for x in (q, k, positions))
     cache = cr.cos_sin_cache(64, 16, dtype="float32", like=q)
     expected = cr.apply_rope(q, k, positions, cos_sin_cache=cache)
     step = torch.compile(lambda q, k, p, c: cr.apply_rope(q, k, p, cos_sin_cache=c),
@@ -196,18 +202,22 @@ def _check_compiled(mesh) -> None:
             assert torch.equal(got.full_tensor(), want), place
 
 
-def _worker(rank: int, port: int, errors) -> None:
+def _worker(rank: int, port: int, backend: str, errors) -> None:
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        device_type = "cuda" if backend == "nccl" else "cpu"
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=WORLD)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for name, case in _cases().items():
+        mesh = init_device_mesh(device_type, (WORLD,))
+        for name, case in _cases(device).items():
             _check_case(mesh, name, case)
-        _check_fused(mesh)
-        _check_compiled(mesh)
+        _check_fused(mesh, device)
+        _check_compiled(mesh, device)
         dist.destroy_process_group()
     except BaseException:  # reported by the parent, with the rank
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
@@ -215,10 +225,25 @@ def _worker(rank: int, port: int, errors) -> None:
 
 
 def test_dtensor_rotation_is_shard_local_and_exact():
+    _run_ranks("gloo")
+
+
+@pytest.mark.gpu
+def test_dtensor_on_two_gpus_over_nccl():
+    """The same cases with the shards on two GPUs (the CUDA kernels, NCCL for what redistributes)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA GPUs")
+    if not dist.is_nccl_available():
+        pytest.skip("torch.distributed without NCCL")
+    _run_ranks("nccl")
+
+
+def _run_ranks(backend: str) -> None:
     context = mp.get_context("spawn")
     errors = context.SimpleQueue()
     port = _free_port()
-    processes = [context.Process(target=_worker, args=(rank, port, errors)) for rank in range(WORLD)]
+    processes = [context.Process(target=_worker, args=(rank, port, backend, errors))
+                 for rank in range(WORLD)]
     for p in processes:
         p.start()
     for p in processes:

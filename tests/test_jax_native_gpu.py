@@ -279,3 +279,35 @@ def test_rope_and_cache_is_one_native_call(device, rng, layout):
     for out, want in zip(got, expected):
         assert np.array_equal(np.asarray(out), want)
     assert np.array_equal(np.asarray(args[4]), k_cache)  # the input cache is not donated: kept
+
+
+_COMMAND_BUFFER_SCRIPT = """
+import numpy as np, jax, jax.numpy as jnp
+import cupyrope as cr
+q = jnp.asarray(np.random.default_rng(0).standard_normal((64, 8, 128)), jnp.bfloat16)
+positions = jnp.arange(64, dtype=jnp.int32)
+cache = jnp.asarray(cr.cos_sin_cache(4096, 128))
+def step(q, positions, cache):
+    for _ in range(6):
+        q = cr.apply_rope(q, positions=positions, cos_sin_cache=cache)
+    return q
+jax.block_until_ready(jax.jit(step)(q, positions, cache))
+"""
+
+
+def test_calls_are_captured_in_xla_command_buffers(device, tmp_path):
+    """XLA puts the kernel calls of a jitted step into one command buffer (a CUDA graph): its
+    thunk sequence, dumped by a fresh process (XLA reads its flags at start), nests them."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}",
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    subprocess.run([sys.executable, "-c", _COMMAND_BUFFER_SCRIPT], env=env, check=True,
+                   timeout=120)
+    (sequence,) = tmp_path.glob("*jit_step.thunk_sequence_after_thunk_passes.txt")
+    lines = sequence.read_text().splitlines()
+    assert lines[0].split()[1] == "kCommandBuffer", lines[:3]
+    nested = [line for line in lines[1:] if line.startswith(" ") and "kCustomCall" in line]
+    assert len(nested) == 6, lines
