@@ -6,9 +6,11 @@ replaced by fixed numbers and the data lives on the CPU."""
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -207,3 +209,161 @@ def test_vllm_adapter_workload_rotates_in_place_like_apply_rope():
     # The agreement check compares the flat outputs with the [T, H, D] reference.
     assert workloads.max_abs_error(work, data) == workloads.max_abs_error(plain, data) < 0.125
     assert workloads.host_target_ratio("cupyrope-vllm-inplace") == 1.2
+
+
+# ---- cupyrope under jax.jit (cupyrope.bench.jax_steps) on XLA's CPU ---------------------------
+
+from cupyrope.bench import jax_steps  # noqa: E402
+
+# Tiny T and a short cache keep the compiles quick; head counts and head_dim are the reference's.
+_JAX_SHAPE = workloads.RopeShape(tokens=3, max_position=4096)
+
+
+@pytest.fixture(scope="module")
+def jax_data():
+    pytest.importorskip("jax")
+    return jax_steps.JaxRopeData(_JAX_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def jax_compiled(jax_data):
+    return {impl: jax_steps.compile_step(impl, jax_data) for impl in jax_steps.JAX_IMPLS}
+
+
+def test_jax_data_is_the_reference_layout(jax_data):
+    q, k, positions, cache = jax_data.args
+    assert (q.shape, q.dtype.name) == ((3, 32, 128), "bfloat16")
+    assert (k.shape, k.dtype.name) == ((3, 8, 128), "bfloat16")
+    assert positions.dtype.name == "int32" and 0 <= int(positions.min()) <= int(positions.max()) < 4096
+    assert (cache.shape, cache.dtype.name) == ((4096, 128), "float32")
+
+
+def test_jnp_copy_is_a_real_op_xla_runs(jax_data, jax_compiled):
+    step = jax_compiled["jnp-copy"]
+    text = step.step.as_text()
+    # A multiply by a runtime scalar in the compiled module: neither folded nor an output that
+    # is a parameter (JAX would forward it, XLA would alias it).
+    assert "multiply(" in text
+    entry = text[text.index("ENTRY"):]
+    root = next(line for line in entry.splitlines() if "ROOT" in line)
+    assert "parameter(" not in root
+    q_out, k_out = step.step(*jax_data.args)
+    np.testing.assert_array_equal(np.asarray(q_out), np.asarray(jax_data.q))
+    np.testing.assert_array_equal(np.asarray(k_out), np.asarray(jax_data.k))
+
+
+def test_jax_loop_runs_every_call_as_its_own_op(jax_data, jax_compiled):
+    copy_loop = jax_compiled["jnp-copy"].loop.as_text()
+    assert copy_loop.count("multiply(") >= 2 * jax_steps.LOOP_CALLS  # q and k, 20 times
+    assert "while" not in copy_loop  # unrolled: no loop condition to read back
+    # The loop chains the calls: 20 rotations of the HF step, done one by one, give its result.
+    hf = jax_compiled["xla-hf"]
+    q, k = jax_data.q, jax_data.k
+    for _ in range(jax_steps.LOOP_CALLS):
+        q, k = hf.step(q, k, jax_data.positions, jax_data.cache)
+    q_loop, k_loop = hf.loop(*jax_data.args)
+    np.testing.assert_allclose(np.asarray(q_loop, np.float32), np.asarray(q, np.float32), atol=0.07)
+    np.testing.assert_allclose(np.asarray(k_loop, np.float32), np.asarray(k, np.float32), atol=0.07)
+
+
+def test_jax_rotations_agree_with_the_float64_reference(jax_data, jax_compiled):
+    errors = {impl: jax_steps.max_abs_error(jax_compiled[impl], jax_data)
+              for impl in jax_steps.ROTATION_IMPLS}
+    for impl, error in errors.items():
+        assert workloads.error_is_acceptable(error, "bfloat16"), (impl, error)
+        assert error > 0  # bf16 outputs: the reference is not the outputs themselves
+    # On XLA's CPU both cupyrope routes lower to jax.numpy: the same numbers.
+    native = jax_compiled["cupyrope-native"].step(*jax_data.args)
+    callback = jax_compiled["cupyrope-callback"].step(*jax_data.args)
+    for a, b in zip(native, callback):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_jax_callback_route_variable_is_set_for_the_lowering_and_restored(monkeypatch):
+    monkeypatch.setenv(jax_steps.NATIVE_ENV, "1")
+    with jax_steps.native_route(False):
+        assert os.environ[jax_steps.NATIVE_ENV] == "0"
+    assert os.environ[jax_steps.NATIVE_ENV] == "1"
+    monkeypatch.setenv(jax_steps.NATIVE_ENV, "0")  # asked for globally: the native case lifts it
+    with jax_steps.native_route(True):
+        assert jax_steps.NATIVE_ENV not in os.environ
+    assert os.environ[jax_steps.NATIVE_ENV] == "0"
+
+
+def test_jax_clocks_time_dispatch_loops(jax_data, jax_compiled):
+    step = jax_compiled["cupyrope-native"]
+    assert jax_steps.wall_time_us(step.step, jax_data.args, calls=5, repeats=2) > 0
+    assert jax_steps.loop_time_us(step.loop, jax_data.args, loops=2, repeats=2) > 0
+    clock = jax_steps.JaxSyncedClock().configure(divisor=20)
+    start = clock()
+    clock.hold(step.step(*jax_data.args))
+    assert clock() - start >= 0 and clock._pending is None
+
+
+def test_jax_step_targets():
+    # Decode (T <= 32): up to 2 µs slower than XLA's fusion is met, more is not.
+    assert jax_steps.meets_step_target(1, 11.9, 10.0)
+    assert jax_steps.meets_step_target(32, 12.0, 10.0)
+    assert not jax_steps.meets_step_target(32, 12.01, 10.0)
+    # Between: no slower; equal is met.
+    assert jax_steps.meets_step_target(4096, 50.0, 50.0)
+    assert not jax_steps.meets_step_target(4096, 50.1, 50.0)
+    # T >= 16384: strictly faster.
+    for tokens in (16384, 65536):
+        assert not jax_steps.meets_step_target(tokens, 300.0, 300.0)
+        assert jax_steps.meets_step_target(tokens, 299.9, 300.0)
+    assert [jax_steps.step_target(t) for t in (1, 32, 4096, 16384, 65536)] == [
+        "≤ XLA + 2 µs", "≤ XLA + 2 µs", "≤ XLA", "< XLA", "< XLA"]
+    assert jax_steps.meets_gpu_time_target(1.05, 1.0)
+    assert not jax_steps.meets_gpu_time_target(1.06, 1.0)
+
+
+def test_jax_table_lists_every_column_and_verdict():
+    rows = [
+        jax_steps.JaxRow(1, wall_us={"jnp-copy": 8.0, "xla-hf": 9.0, "xla-hf-f32-angles": 9.5,
+                                     "cupyrope-native": 10.5, "cupyrope-callback": 40.0},
+                         gpu_us={"cupyrope-native": 1.7}, torch_gpu_us=1.65,
+                         max_abs_err={"xla-hf": 0.0156, "xla-hf-f32-angles": 0.0312,
+                                      "cupyrope-native": 0.0156, "cupyrope-callback": 0.0156}),
+        jax_steps.JaxRow(65536, wall_us={"xla-hf": 500.0, "cupyrope-native": 500.0},
+                         gpu_us={"cupyrope-native": 360.0}, torch_gpu_us=330.0),
+        jax_steps.JaxRow(4096, wall_us={"jnp-copy": 30.0}),  # nothing to compare: empty cells
+    ]
+    text = jax_steps.format_jax_table(rows, "Test GPU", "0.0")
+    for header in ("jnp copy µs", "XLA HF fusion µs", "cupyrope native µs", "cupyrope callback µs",
+                   "native / XLA", "target", "native GPU µs/call", "torch path GPU µs/call",
+                   "err XLA HF", "err f32 angles"):
+        assert header in text
+    lines = text.splitlines()
+    main_rows = [line for line in lines[:lines.index("GPU µs per call (jitted loop of 20):")]
+                 if line.startswith("|") and "---" not in line][1:]  # the first table's rows
+    decode, big = main_rows[0], main_rows[1]
+    assert decode.split("|")[1].strip() == "1" and big.split("|")[1].strip() == "65536"
+    assert "1.167" in decode and "≤ XLA + 2 µs: met" in decode and "1.030 (≤ 1.05: met)" in decode
+    assert "0.0312" in decode
+    assert "< XLA: MISSED" in big and "(≤ 1.05: MISSED)" in big
+    assert "Test GPU" in lines[0] and "jax 0.0" in lines[0]
+
+
+def test_jax_sweep_on_cpu_collects_rows(monkeypatch, jax_data):
+    monkeypatch.setattr(jax_steps, "require_jax_gpu", lambda: None)
+    monkeypatch.setattr(jax_steps, "JaxRopeData", lambda shape: jax_data)
+    monkeypatch.setattr(jax_steps, "torch_graph_time_us", lambda tokens, repeats: 2.5)
+    monkeypatch.setattr(jax_steps, "dispatch_calls", lambda tokens: 3)
+    failures = []
+    rows = jax_steps.jax_sweep([3], impls=("jnp-copy", "cupyrope-native"), repeats=1,
+                               failures=failures)
+    assert failures == []
+    (row,) = rows
+    assert set(row.wall_us) == set(row.gpu_us) == {"jnp-copy", "cupyrope-native"}
+    assert set(row.max_abs_err) == {"cupyrope-native"} and row.torch_gpu_us == 2.5
+
+
+def test_cli_jax_without_a_jax_gpu_says_so(capsys):
+    pytest.importorskip("jax")
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "--jax" in capsys.readouterr().out
+    assert cli.main(["--jax", "--tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "JAX GPU backend" in err and err.count("\n") == 1 and "Traceback" not in err

@@ -1,6 +1,7 @@
 """The command line of the reference sweep: ``python -m cupyrope bench`` (or
 ``python -m cupyrope.bench``) prints the table and writes it with JSON and a bandwidth plot;
-``--fused`` runs the fused ops against the unfused sequences instead (:mod:`.fused`)."""
+``--fused`` runs the fused ops against the unfused sequences instead (:mod:`.fused`), ``--jax``
+apply_rope under ``jax.jit`` against XLA's own fusion (:mod:`.jax_steps`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Sequence
 
 from .clocks import device_name, require_cuda
 from .fused import FUSED_TOKENS, format_fused_table, fused_sweep, plot_fused
+from .jax_steps import (JAX_TOKENS, format_jax_table, jax_device_name, jax_environment, jax_sweep,
+                        require_jax_gpu)
 from .sweep import environment, format_table, plot, reference_sweep
 from .workloads import ALL_IMPLS, REFERENCE_TOKENS
 
@@ -34,11 +37,17 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cupyrope.b
         "bandwidth plot."))
     parser.add_argument("--tokens", type=_positive_int, nargs="+", default=None,
                         help="values of T (default: " + " ".join(map(str, REFERENCE_TOKENS))
-                        + "; with --fused: " + " ".join(map(str, FUSED_TOKENS)) + ")")
+                        + "; with --fused: " + " ".join(map(str, FUSED_TOKENS))
+                        + "; with --jax: " + " ".join(map(str, JAX_TOKENS)) + ")")
     parser.add_argument("--fused", action="store_true",
                         help="the fused ops (rms_norm_rope, rope_and_cache, fp8 out) against the "
                         "unfused sequences, eager and torch.compile, and an SM copy of their bytes; "
                         "writes fused_sweep.{md,json,png}")
+    parser.add_argument("--jax", action="store_true",
+                        help="apply_rope under jax.jit (native XLA call and Python callback) "
+                        "against XLA's fusion of the Hugging Face formulation and a jnp copy: wall "
+                        "time per jitted step, GPU time per call against the torch path's, "
+                        "accuracy; writes jax_sweep.{md,json}")
     impls = [i for i in ALL_IMPLS if i != "copy"]
     parser.add_argument("--impls", nargs="+", default=None, choices=impls, metavar="IMPL",
                         help="implementations besides the SM copy, among " + ", ".join(impls)
@@ -48,13 +57,24 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cupyrope.b
     parser.add_argument("--out", default=default_out,
                         help=f"folder for reference_sweep.{{md,json,png}} (default: {default_out})")
     args = parser.parse_args(argv)
+    if args.jax:  # before JAX starts: leave GPU memory to the torch path of the same run
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
-        require_cuda()
+        if args.jax:
+            require_jax_gpu()
+        else:
+            require_cuda()
     except RuntimeError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
 
     failures: list[str] = []
+    if args.jax:
+        rows = jax_sweep(args.tokens or list(JAX_TOKENS), repeats=args.repeats,
+                         check=not args.no_check, failures=failures)
+        env = jax_environment()
+        table = format_jax_table(rows, jax_device_name(), env.get("jax", ""))
+        return _report(args.out, "jax_sweep", table, rows, None, failures, extra_env=env)
     if args.fused:
         rows = fused_sweep(args.tokens or list(FUSED_TOKENS), repeats=args.repeats,
                            failures=failures)
@@ -68,19 +88,21 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cupyrope.b
                    lambda path: plot(rows, path, gpu_name=name), failures)
 
 
-def _report(out: str, stem: str, table: str, rows, draw, failures: list[str]) -> int:
-    """Print the table; write ``stem``.md / .json / .png into ``out`` (when given); 1 when a
-    cupyrope or copy case failed, else 0."""
+def _report(out: str, stem: str, table: str, rows, draw, failures: list[str], *,
+            extra_env: dict | None = None) -> int:
+    """Print the table; write ``stem``.md / .json / .png (``draw``: None for no plot) into ``out``
+    (when given); 1 when a cupyrope or copy case failed, else 0."""
     print(table)
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"{stem}.md"), "w") as f:
             f.write(table + "\n")
         with open(os.path.join(out, f"{stem}.json"), "w") as f:
-            json.dump({"environment": environment(), "rows": [dataclasses.asdict(r) for r in rows]},
+            json.dump({"environment": {**environment(), **(extra_env or {})}, "rows": [dataclasses.asdict(r) for r in rows]},
                       f, indent=1)
         try:
-            print("plot:", draw(os.path.join(out, f"{stem}.png")))
+            if draw is not None:
+                print("plot:", draw(os.path.join(out, f"{stem}.png")))
         except ImportError as exc:
             print(f"no plot: {exc}", file=sys.stderr)
     if failures:
