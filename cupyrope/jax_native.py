@@ -31,9 +31,9 @@ architecture and, through the driver's PTX JIT, on newer ones.
 
 Availability
 ------------
-:func:`unavailable_reason` says why the call cannot be used (a jaxlib without ``gpu_triton`` or
-without its CUDA plugin, or NVRTC missing); :mod:`cupyrope.jax_ops` then keeps the callback route
-and warns once. ``CUPYROPE_JAX_NATIVE=0`` asks for the callback route.
+:func:`unavailable_reason` says why the call cannot be used (a jaxlib older than 0.11, one
+without ``gpu_triton`` or without its CUDA plugin, or NVRTC missing); :mod:`cupyrope.jax_ops` then
+keeps the callback route and warns once. ``CUPYROPE_JAX_NATIVE=0`` asks for the callback route.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import hashlib
 import os
 import threading
 import zlib
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,6 +52,10 @@ from .arrays import ArrayInfo, cupy_module, describe_traced
 from .plan import plan_rope
 
 NATIVE_ENV = "CUPYROPE_JAX_NATIVE"
+# jaxlib 0.11 (jax-cuda13-plugin 0.11.2 measured): TritonKernel(name, num_warps, num_ctas,
+# shared_mem_bytes, ptx, ttir, compute_capability) and the FFI target below. Older jaxlibs keep
+# the callback route (warned once).
+MIN_JAXLIB = (0, 11)
 CALL_TARGET = "triton_kernel_call_ffi"
 # The kernel call checks that every array parameter's address is a multiple of this: the vector
 # path the plan assumes needs 16-byte alignment (XLA aligns its buffers to far more).
@@ -68,6 +73,13 @@ def unavailable_reason() -> str | None:
     """None when the native call can be used here, else why not (for the warning)."""
     if os.environ.get(NATIVE_ENV, "") == "0":
         return f"{NATIVE_ENV}=0 asks for the callback route"
+    import jaxlib
+
+    version = tuple(int(part) for part in jaxlib.__version__.split(".")[:2] if part.isdigit())
+    if version < MIN_JAXLIB:
+        return (f"jaxlib {jaxlib.__version__} is older than "
+                f"{'.'.join(map(str, MIN_JAXLIB))}, the first with the kernel call this module "
+                "was tested against")
     try:
         from jax._src.lib import gpu_triton
     except ImportError as exc:
@@ -91,20 +103,19 @@ def lower_rope(ctx, *operands, static, present):
     ``static``: the call's options (``jax_ops._Static``). Returns q_out (and k_out)."""
     names = ("q",) + tuple(name for name, here in zip(
         ("k", "positions", "cos_sin_cache", "cos", "sin"), present) if here)
-    infos = planning_infos(ctx, names)
+    infos = planning_infos(ctx.avals_in, names, kernels.current_device())
     plan = plan_rope(infos["q"], infos.get("k"), infos.get("positions"),
                      cos_sin_cache=infos.get("cos_sin_cache"), cos=infos.get("cos"),
                      sin=infos.get("sin"), **static.call_options())
     return lower_planned(ctx, operands, names, plan)
 
 
-def planning_infos(ctx, names: tuple[str, ...]) -> dict[str, ArrayInfo]:
-    """The operands by name as XLA will pass them (C order, on the current device), with planning
-    addresses: aligned like XLA's buffers and apart from one another, so no check sees an
-    overlap. What ``plan_rope`` / ``plan_fused`` plan a native call from."""
-    device = kernels.current_device()
+def planning_infos(avals, names: tuple[str, ...], device: int) -> dict[str, ArrayInfo]:
+    """The operands (``avals``, named ``names``) as XLA will pass them (C order, on ``device``),
+    with planning addresses: aligned like XLA's buffers and apart from one another, so no check
+    sees an overlap. What ``plan_rope`` / ``plan_fused`` plan a native call from."""
     infos = {}
-    for index, (name, aval) in enumerate(zip(names, ctx.avals_in)):
+    for index, (name, aval) in enumerate(zip(names, avals)):
         info = describe_traced(aval, name)
         info.device, info.ptr = device, _fake_pointer(index)
         infos[name] = info
@@ -122,40 +133,21 @@ def lower_planned(ctx, operands, names: tuple[str, ...], plan):
     if plan.is_empty:  # nothing to rotate: the inputs' caches, empty outputs, no launch
         return _empty_results(ctx, operands, names, mlir)
     device = plan.device
-    fusion = plan.fusion
-    if fusion is not None:
+    if plan.fusion is not None:
         launch.check_fp8_support(plan)
-    rotated = 1 if plan.k is None else 2
-    outputs = []
-    for i, aval in enumerate(ctx.avals_out[:rotated]):
-        info = describe_traced(aval, "output")
-        info.device, info.ptr, info.writable = device, _fake_pointer(len(names) + 1 + i), True
-        if fusion is not None and fusion.out_dtype is not None:
-            info.dtype = fusion.out_dtype
-        outputs.append(info)
-    inv_freq = None
-    if plan.source == AngleSource.COMPUTED:
-        inv_freq = np.ascontiguousarray(plan.inv_freq, dtype=np.float64)
     arithmetic = (kernels.angle_arithmetic(device) if plan.source == AngleSource.COMPUTED
                   else None)
-    spec = launch.plan_launch(
-        plan, outputs, inv_freq_ptr=0 if inv_freq is None else _fake_pointer(len(names)),
+    native = plan_native_launch(
+        plan, ctx.avals_out, names, angle_arithmetic=arithmetic,
         num_regs=lambda kernel_spec: kernels.get_kernel(kernel_spec, device).num_regs,
-        multiprocessors=launch._multiprocessors(device), angle_arithmetic=arithmetic)
-    block, shared_bytes = _flat_block(plan, spec)
-
-    # XLA's buffers: the operands (the cos/sin cache is `cos`; sin is found by offset), the
-    # frequencies as a constant, then the results (a cache write's new caches are aliased to the
-    # input caches, written through those).
-    buffers = list(names)
+        multiprocessors=launch._multiprocessors(device))
+    spec, block, buffers = native.spec, native.block, native.buffers
     nodes = list(operands)
-    if inv_freq is not None:
-        buffers.append("inv_freq")
-        nodes.append(mlir.ir_constant(inv_freq.view(np.uint32)))
-    buffers += ["q_out", "k_out"][:rotated]
+    if native.inv_freq is not None:  # the schedule's float64 frequencies, a module constant
+        nodes.append(mlir.ir_constant(native.inv_freq.view(np.uint32)))
+    kernel = _kernel_call_kernel(spec, block, native.shared_bytes, device, buffers)
+    rotated = 1 if plan.k is None else 2
     caches = [name for name in ("k_cache", "v_cache") if name in names]
-    buffers += [None] * len(caches)  # the aliased new caches: not read by the kernel
-    kernel = _kernel_call_kernel(spec, block, shared_bytes, device, tuple(buffers))
 
     gpu_triton = _gpu_triton()
     parameters = [gpu_triton.create_array_parameter(0, POINTER_DIVISIBILITY) for _ in buffers]
@@ -167,9 +159,9 @@ def lower_planned(ctx, operands, names: tuple[str, ...], plan):
                            for w in np.frombuffer(struct.tobytes(), dtype=np.uint64)]
     call = gpu_triton.TritonKernelCall(kernel, int(spec.grid[0]), int(spec.grid[1]), 1,
                                        parameters)
-    name = kernel_name(spec, block, tuple(buffers))
+    name = kernel_name(spec, block, buffers)
     row_major = [list(reversed(range(len(aval.shape)))) for aval in ctx.avals_in]
-    if inv_freq is not None:
+    if native.inv_freq is not None:
         row_major.append([0])
     aliases = {names.index(cache): rotated + i for i, cache in enumerate(caches)}
     return mlir.custom_call(
@@ -182,6 +174,47 @@ def lower_planned(ctx, operands, names: tuple[str, ...], plan):
         result_layouts=[list(reversed(range(len(aval.shape)))) for aval in ctx.avals_out],
         operand_output_aliases=aliases or None,
     ).results
+
+
+class NativeLaunch(NamedTuple):
+    """A planned XLA kernel call: the launch, its block of whole warps and dynamic shared
+    memory, the names of XLA's buffers in order (None: an aliased cache result the kernel does
+    not read) and the float64 frequencies the call takes as a constant (computed angles)."""
+
+    spec: launch.LaunchSpec
+    block: tuple[int, int, int]
+    shared_bytes: int
+    buffers: tuple
+    inv_freq: np.ndarray | None
+
+
+def plan_native_launch(plan, avals_out, names: tuple[str, ...], *, num_regs, multiprocessors: int,
+                       angle_arithmetic: str | None) -> NativeLaunch:
+    """The XLA kernel call of a checked, non-empty plan on :func:`planning_infos` (``avals_out``:
+    the results' shapes and dtypes). ``num_regs`` and ``multiprocessors`` are
+    ``launch.plan_launch``'s; ``angle_arithmetic`` the device's computed-angle arithmetic."""
+    rotated = 1 if plan.k is None else 2
+    outputs = []
+    for i, aval in enumerate(avals_out[:rotated]):
+        info = describe_traced(aval, "output")
+        info.device, info.ptr, info.writable = plan.device, _fake_pointer(len(names) + 1 + i), True
+        if plan.fusion is not None and plan.fusion.out_dtype is not None:
+            info.dtype = plan.fusion.out_dtype
+        outputs.append(info)
+    inv_freq = None
+    if plan.source == AngleSource.COMPUTED:
+        inv_freq = np.ascontiguousarray(plan.inv_freq, dtype=np.float64)
+    spec = launch.plan_launch(
+        plan, outputs, inv_freq_ptr=0 if inv_freq is None else _fake_pointer(len(names)),
+        num_regs=num_regs, multiprocessors=multiprocessors, angle_arithmetic=angle_arithmetic)
+    block, shared_bytes = _flat_block(plan, spec)
+    # XLA's buffers: the operands (a cos/sin cache is read as `cos`, sin found by offset), the
+    # frequencies, then the results (a cache write's new caches are aliased to the input caches
+    # and written through those).
+    buffers = list(names) + (["inv_freq"] if inv_freq is not None else [])
+    buffers += ["q_out", "k_out"][:rotated]
+    buffers += [None for name in ("k_cache", "v_cache") if name in names]
+    return NativeLaunch(spec, block, shared_bytes, tuple(buffers), inv_freq)
 
 
 def _empty_results(ctx, operands, names, mlir):
@@ -307,22 +340,36 @@ _ptx_lock = threading.Lock()
 
 def _kernel_call_kernel(spec, block, shared_bytes: int, device: int, buffers: tuple):
     """jaxlib's TritonKernel for one launch: the entry compiled to PTX for ``device``."""
-    major_minor = cupy_module().cuda.Device(device).compute_capability  # e.g. "90"
-    arithmetic = kernels.kernel_arithmetic(spec.kernel, device)
+    capability = cupy_module().cuda.Device(device).compute_capability  # e.g. "90"
+    ptx = entry_ptx(spec, block, buffers, capability,
+                    kernels.kernel_arithmetic(spec.kernel, device))
+    threads = block[0] * block[1] * block[2]
+    return _gpu_triton().TritonKernel(kernel_name(spec, block, buffers), threads // 32, 1,
+                                      shared_bytes, ptx, "", int(capability))
+
+
+def entry_ptx(spec, block, buffers: tuple, capability: str, arithmetic: str | None) -> str:
+    """PTX of the flat-argument entry of a planned launch (``spec``: ``launch.plan_launch``'s)
+    with ``block`` (whole warps) and XLA's ``buffers``, for compute capability ``capability``
+    ("90"), memoised; needs NVRTC, not a GPU."""
     name = kernel_name(spec, block, buffers)
-    key = (name, major_minor, arithmetic, kernels.source_fingerprint())
+    key = (name, capability, arithmetic, kernels.source_fingerprint())
     with _ptx_lock:
         ptx = _ptx_cache.get(key)
         if ptx is None:
-            options = kernels.compile_options(arithmetic) + (
-                f"--gpu-architecture=compute_{major_minor}",
-                f"-DCUPYROPE_FLAT_BLOCK_X={block[0]}", f"-DCUPYROPE_FLAT_BLOCK_Y={block[1]}",
-                f"-DCUPYROPE_FLAT_BLOCK_Z={block[2]}")
-            ptx = _nvrtc_ptx(_entry_source(spec, name, buffers), options)
+            source, options = entry_program(spec, block, buffers, arithmetic)
+            ptx = _nvrtc_ptx(source, options + (f"--gpu-architecture=compute_{capability}",))
             _ptx_cache[key] = ptx
-    threads = block[0] * block[1] * block[2]
-    return _gpu_triton().TritonKernel(name, threads // 32, 1, shared_bytes, ptx, "",
-                                      int(major_minor))
+    return ptx
+
+
+def entry_program(spec, block, buffers: tuple, arithmetic: str | None) -> tuple[str, tuple]:
+    """(source, NVRTC options but the architecture) of a launch's entry: the block shape it maps
+    flat thread indices onto is compiled in."""
+    options = kernels.compile_options(arithmetic) + (
+        f"-DCUPYROPE_FLAT_BLOCK_X={block[0]}", f"-DCUPYROPE_FLAT_BLOCK_Y={block[1]}",
+        f"-DCUPYROPE_FLAT_BLOCK_Z={block[2]}")
+    return _entry_source(spec, kernel_name(spec, block, buffers), buffers), options
 
 
 def _nvrtc_ptx(source: str, options: tuple[str, ...]) -> str:

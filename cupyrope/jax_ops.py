@@ -94,6 +94,7 @@ from . import execute, jax_lowering, jax_native
 from .arrays import cupy_module, cupy_view_of_buffer, describe, describe_traced, on_gpu_buffer
 from .dtypes import FP8_DTYPES, dtype_name, numpy_dtype
 from .fusion import plan_fused
+from .kernels import current_device
 from .plan import check_values, plan_rope
 from .scaling import Scaling
 from .validators import check_real
@@ -736,8 +737,12 @@ def _gpu_lowering(kind: str, platform: str, ctx, *operands, **params):
     aliases to the input caches. Returns the results' IR values.
 
     The rotation on NVIDIA GPUs is a native XLA kernel call (:mod:`cupyrope.jax_native`) where
-    this jaxlib offers one, and so are the fused ops; validate=True, ROCm and a jaxlib without
-    the kernel call (warned once) take the buffer_callback route, on XLA's buffers and stream."""
+    this jaxlib offers one, and so are rms_norm_rope and fp8 outputs; the cache write, validate=True,
+    ROCm and a jaxlib without the kernel call (warned once) take the buffer_callback route, on
+    XLA's buffers and stream. (The cache write's new caches are aliased to the input caches; as a
+    native call, XLA on jaxlib 0.11.2 kept that aliasing in a plain jitted call but not under
+    jax.vmap (rows no slot names came out zero) nor, for an fp8 cache, on donation (a copy): the
+    callback checks and copies where XLA does not alias.)"""
     validate = (params["static"] if kind == "rope" else params["fused"].rope).validate
     if platform == "cuda" and not validate:
         reason = jax_native.unavailable_reason()
@@ -745,9 +750,11 @@ def _gpu_lowering(kind: str, platform: str, ctx, *operands, **params):
             if kind == "rope":
                 return jax_native.lower_rope(ctx, *operands, **params)
             fused = params["fused"]
-            return jax_native.lower_planned(ctx, operands, fused.names, _native_fused_plan(
-                ctx, fused))
-        _warn_callback_route(reason)
+            if not any(name in fused.names for name in _CACHES):
+                return jax_native.lower_planned(ctx, operands, fused.names, _native_fused_plan(
+                    ctx, fused))
+        else:
+            _warn_callback_route(reason)
     body = _rope_callback_outputs if kind == "rope" else _fused_callback_outputs
     return mlir.lower_fun(functools.partial(body, **params), multiple_results=True)(ctx, *operands)
 
@@ -756,7 +763,7 @@ def _native_fused_plan(ctx, fused: _Fused):
     """The checked plan of a fused call for the native kernel call, from XLA's shapes (as
     :func:`_planning_info` prepares them for the checks: the caches are written, one-element
     scales are read by the kernel)."""
-    infos = jax_native.planning_infos(ctx, fused.names)
+    infos = jax_native.planning_infos(ctx.avals_in, fused.names, current_device())
     for name, info in infos.items():
         if name in _CACHES:
             info.writable = True

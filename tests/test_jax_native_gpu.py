@@ -255,7 +255,9 @@ def test_fp8_outputs_are_one_native_call(device, rng):
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_rope_and_cache_is_one_native_call(device, rng, layout):
+def test_rope_and_cache_keeps_the_callback(device, rng, layout):
+    """The cache write stays on the callback route (jax_ops._gpu_lowering says why), with the
+    eager call's bits."""
     T, H, D, blocks, block_size = 12, 2, 64, 4, 8
     xq = random_host(rng, (T, 4, D), "float32")
     xk, xv = random_host(rng, (T, H, D), "float32"), random_host(rng, (T, H, D), "float32")
@@ -272,7 +274,7 @@ def test_rope_and_cache_is_one_native_call(device, rng, layout):
         return cr.rope_and_cache(q, k, v, positions, k_cache, v_cache, slots,
                                  cos_sin_cache=cache, layout=layout, inplace=False)
 
-    assert _native_calls(f, *args) == 1
+    assert NATIVE not in _hlo(f, *args)
     got = jax.jit(f)(*args)
     expected = _cupy_call(lambda q, k, v, p, kc, vc, s, c: cr.rope_and_cache(
         q, k, v, p, kc, vc, s, cos_sin_cache=c, layout=layout, inplace=False), *host)
