@@ -175,7 +175,10 @@ def test_export_round_trip(device, rng):
                       max_angle=float(positions.max() * inv_freq.max()))
 
 
-def test_sharded_over_heads_runs_per_device(rng):
+@pytest.mark.parametrize("axis", ["heads", "tokens"])
+def test_sharded_runs_per_device(rng, axis):
+    """q (and k) over heads, or over tokens with positions alike, on two GPUs: each device runs
+    the native call on its shard (no all-gather), the result keeps q's sharding and is right."""
     devices = jax.devices("cuda") if jax.default_backend() == "gpu" else []
     if len(devices) < 2:
         pytest.skip("needs two GPUs")
@@ -183,21 +186,27 @@ def test_sharded_over_heads_runs_per_device(rng):
 
     mesh = Mesh(np.array(devices[:2]), ("x",))
     xq = random_host(rng, (64, 8, 128), "bfloat16")
+    xk = random_host(rng, (64, 2, 128), "bfloat16")
     positions = rng.integers(0, MAX_POSITION, 64).astype(np.int32)
     cache = cr.cos_sin_cache(MAX_POSITION, 128)
-    q = jax.device_put(xq, NamedSharding(mesh, PartitionSpec(None, "x", None)))
-    rest = [jax.device_put(a, NamedSharding(mesh, PartitionSpec())) for a in (positions, cache)]
+    spec = PartitionSpec(None, "x", None) if axis == "heads" else PartitionSpec("x", None, None)
+    q, k = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (xq, xk))
+    positions_spec = PartitionSpec() if axis == "heads" else PartitionSpec("x")
+    sharded_positions = jax.device_put(positions, NamedSharding(mesh, positions_spec))
+    sharded_cache = jax.device_put(cache, NamedSharding(mesh, PartitionSpec()))
 
-    def f(q, positions, cache):
-        return cr.apply_rope(q, positions=positions, cos_sin_cache=cache)
+    def f(q, k, positions, cache):
+        return cr.apply_rope(q, k, positions, cos_sin_cache=cache)
 
     with mesh:
-        text = jax.jit(f).lower(q, *rest).compile().as_text()
-        out = jax.jit(f)(q, *rest)
+        text = jax.jit(f).lower(q, k, sharded_positions, sharded_cache).compile().as_text()
+        outs = jax.jit(f)(q, k, sharded_positions, sharded_cache)
     assert "all-gather" not in text and "all-to-all" not in text
-    assert out.sharding.is_equivalent_to(q.sharding, 3)
-    assert_rope_close(np.asarray(out), reference_rope(xq, positions, cos_sin_cache=cache), xq,
-                      interleaved=False, rotary_dim=128)
+    assert text.count(f'custom_call_target="{NATIVE}"') == 1
+    for out, x, placed in zip(outs, (xq, xk), (q, k)):
+        assert out.sharding.is_equivalent_to(placed.sharding, 3)
+        assert_rope_close(np.asarray(out), reference_rope(x, positions, cos_sin_cache=cache), x,
+                          interleaved=False, rotary_dim=128)
 
 
 # --------------------------------------------------------------------------------------------------
