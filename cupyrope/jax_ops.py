@@ -145,6 +145,9 @@ class _Fused(NamedTuple):
     rope: _Static
     options: tuple[tuple[str, object], ...]
     names: tuple[str, ...]
+    # One element of a jax.vmap run per element (_per_element): a cache write there keeps the
+    # callback on GPUs (see _gpu_lowering).
+    per_element: bool = False
 
 
 def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=None,
@@ -737,12 +740,12 @@ def _gpu_lowering(kind: str, platform: str, ctx, *operands, **params):
     aliases to the input caches. Returns the results' IR values.
 
     The rotation on NVIDIA GPUs is a native XLA kernel call (:mod:`cupyrope.jax_native`) where
-    this jaxlib offers one, and so are rms_norm_rope and fp8 outputs; the cache write, validate=True,
-    ROCm and a jaxlib without the kernel call (warned once) take the buffer_callback route, on
-    XLA's buffers and stream. (The cache write's new caches are aliased to the input caches; as a
-    native call, XLA on jaxlib 0.11.2 kept that aliasing in a plain jitted call but not under
-    jax.vmap (rows no slot names came out zero) nor, for an fp8 cache, on donation (a copy): the
-    callback checks and copies where XLA does not alias.)"""
+    this jaxlib offers one, and so are the fused ops; validate=True, ROCm, a jaxlib without the
+    kernel call (warned once) and the cache write inside a per-element jax.vmap take the
+    buffer_callback route, on XLA's buffers and stream. (The cache write's new caches are aliased
+    to the input caches; as a native call inside jax.lax.map, XLA on jaxlib 0.11.2 did not keep
+    that aliasing, and rows no slot names came out zero: the callback checks and copies where XLA
+    does not alias.)"""
     validate = (params["static"] if kind == "rope" else params["fused"].rope).validate
     if platform == "cuda" and not validate:
         reason = jax_native.unavailable_reason()
@@ -750,7 +753,7 @@ def _gpu_lowering(kind: str, platform: str, ctx, *operands, **params):
             if kind == "rope":
                 return jax_native.lower_rope(ctx, *operands, **params)
             fused = params["fused"]
-            if not any(name in fused.names for name in _CACHES):
+            if not (fused.per_element and any(name in fused.names for name in _CACHES)):
                 return jax_native.lower_planned(ctx, operands, fused.names, _native_fused_plan(
                     ctx, fused))
         else:
@@ -787,6 +790,8 @@ def _per_element(primitive, args, dims, **params):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     leading = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
                for a, d in zip(args, dims)]
+    if "fused" in params:
+        params = dict(params, fused=params["fused"]._replace(per_element=True))
     outs = jax.lax.map(lambda element: primitive.bind(*element, **params), leading)
     return outs, [0] * len(outs)
 

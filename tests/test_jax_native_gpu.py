@@ -264,9 +264,10 @@ def test_fp8_outputs_are_one_native_call(device, rng):
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_rope_and_cache_keeps_the_callback(device, rng, layout):
-    """The cache write stays on the callback route (jax_ops._gpu_lowering says why), with the
-    eager call's bits."""
+def test_rope_and_cache_is_one_native_call(device, rng, layout):
+    """The cache write is one native call whose new caches alias the input caches: the rows no
+    slot names keep the input's values, the input (not donated) is untouched, the bits are the
+    eager call's."""
     T, H, D, blocks, block_size = 12, 2, 64, 4, 8
     xq = random_host(rng, (T, 4, D), "float32")
     xk, xv = random_host(rng, (T, H, D), "float32"), random_host(rng, (T, H, D), "float32")
@@ -283,7 +284,7 @@ def test_rope_and_cache_keeps_the_callback(device, rng, layout):
         return cr.rope_and_cache(q, k, v, positions, k_cache, v_cache, slots,
                                  cos_sin_cache=cache, layout=layout, inplace=False)
 
-    assert NATIVE not in _hlo(f, *args)
+    assert _native_calls(f, *args) == 1
     got = jax.jit(f)(*args)
     expected = _cupy_call(lambda q, k, v, p, kc, vc, s, c: cr.rope_and_cache(
         q, k, v, p, kc, vc, s, cos_sin_cache=c, layout=layout, inplace=False), *host)
@@ -322,3 +323,30 @@ def test_calls_are_captured_in_xla_command_buffers(device, tmp_path):
     assert lines[0].split()[1] == "kCommandBuffer", lines[:3]
     nested = [line for line in lines[1:] if line.startswith(" ") and "kCustomCall" in line]
     assert len(nested) == 6, lines
+
+
+def test_rope_and_cache_under_vmap_keeps_the_callback(device, rng):
+    """jax.vmap over batched caches runs the cache write per element, through the callback (XLA
+    did not keep the native call's aliasing inside the loop): every element's untouched rows are
+    kept."""
+    B, T, H, D, blocks, block_size = 3, 5, 2, 64, 2, 8
+    xk, xv = random_host(rng, (B, T, H, D), "float32"), random_host(rng, (B, T, H, D), "float32")
+    xq = random_host(rng, (B, T, 4, D), "float32")
+    caches = [random_host(rng, (B, blocks, block_size, H, D), "float32") for _ in range(2)]
+    slots = np.stack([rng.permutation(blocks * block_size)[:T] for _ in range(B)]).astype(np.int32)
+    positions = rng.integers(0, MAX_POSITION, (B, T)).astype(np.int32)
+    cache = cr.cos_sin_cache(MAX_POSITION, D)
+    args = [jax.device_put(a, device) for a in (xq, xk, xv, positions, *caches, slots)]
+
+    def f(q, k, v, positions, k_cache, v_cache, slots):
+        return jax.vmap(lambda *a: cr.rope_and_cache(*a, cos_sin_cache=cache, inplace=False))(
+            q, k, v, positions, k_cache, v_cache, slots)
+
+    text = _hlo(f, *args)
+    assert NATIVE not in text and "callback" in text.lower()
+    *_, k_new, v_new = jax.jit(f)(*args)
+    for b in range(B):
+        kept = np.setdiff1d(np.arange(blocks * block_size), slots[b])
+        for new, old in ((k_new, caches[0]), (v_new, caches[1])):
+            rows = np.asarray(new)[b].reshape(-1, H, D)
+            assert np.array_equal(rows[kept], old[b].reshape(-1, H, D)[kept])
