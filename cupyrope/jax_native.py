@@ -239,7 +239,9 @@ def _flat_block(plan, spec) -> tuple[tuple[int, int, int], int]:
     """A block of whole warps for the planned launch (jaxlib launches whole warps), and its
     dynamic shared memory. The decode kernel gives each head its own thread: its heads are padded
     up (threads without a head do nothing). The other kernels stride over heads and tokens, so
-    any y and z cover them: the largest whole-warp block of the planned lanes is taken."""
+    any y and z cover them: the whole-warp block nearest the planned one is taken, tokens per
+    block first (H200, T = 65536, eager, % of an SM copy: planned (8, 10, 3) 95.4, (8, 8, 3) 94.8,
+    (8, 8, 4) 94.6, (8, 4, 6) 92.8, (8, 4, 8) 91.9)."""
     x, y, z = (int(n) for n in spec.block)
     limit = launch.THREADS_PER_BLOCK
     if spec.kernel.decode:
@@ -247,9 +249,9 @@ def _flat_block(plan, spec) -> tuple[tuple[int, int, int], int]:
             y += 1
         choice = (x, y, 1) if x * y <= limit else None
     else:
-        shapes = [(x * b * c, c, b) for c in range(1, z + 1) for b in range(1, limit // (x * c) + 1)
-                  if (x * b * c) % 32 == 0]
-        choice = (x, max(shapes)[2], max(shapes)[1]) if shapes else None
+        shapes = [(abs(c - z), abs(b - y), -b * c, b, c) for c in range(1, z + 1)
+                  for b in range(1, limit // (x * c) + 1) if (x * b * c) % 32 == 0]
+        choice = (x, min(shapes)[3], min(shapes)[4]) if shapes else None
     if choice is None:
         raise NotImplementedError(
             f"cupyrope under jax.jit: no block of whole warps within {limit} threads fits the "
