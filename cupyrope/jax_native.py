@@ -157,8 +157,7 @@ def lower_planned(ctx, operands, names: tuple[str, ...], plan):
         if struct is not None:
             parameters += [gpu_triton.create_scalar_parameter(int(w), "u64")
                            for w in np.frombuffer(struct.tobytes(), dtype=np.uint64)]
-    call = gpu_triton.TritonKernelCall(kernel, int(spec.grid[0]), int(spec.grid[1]), 1,
-                                       parameters)
+    call = gpu_triton.TritonKernelCall(kernel, *native.grid, 1, parameters)
     name = kernel_name(spec, block, buffers)
     row_major = [list(reversed(range(len(aval.shape)))) for aval in ctx.avals_in]
     if native.inv_freq is not None:
@@ -183,6 +182,7 @@ class NativeLaunch(NamedTuple):
 
     spec: launch.LaunchSpec
     block: tuple[int, int, int]
+    grid: tuple[int, int]
     shared_bytes: int
     buffers: tuple
     inv_freq: np.ndarray | None
@@ -207,14 +207,14 @@ def plan_native_launch(plan, avals_out, names: tuple[str, ...], *, num_regs, mul
     spec = launch.plan_launch(
         plan, outputs, inv_freq_ptr=0 if inv_freq is None else _fake_pointer(len(names)),
         num_regs=num_regs, multiprocessors=multiprocessors, angle_arithmetic=angle_arithmetic)
-    block, shared_bytes = _flat_block(plan, spec)
+    block, grid, shared_bytes = _flat_block(plan, spec)
     # XLA's buffers: the operands (a cos/sin cache is read as `cos`, sin found by offset), the
     # frequencies, then the results (a cache write's new caches are aliased to the input caches
     # and written through those).
     buffers = list(names) + (["inv_freq"] if inv_freq is not None else [])
     buffers += ["q_out", "k_out"][:rotated]
     buffers += [None for name in ("k_cache", "v_cache") if name in names]
-    return NativeLaunch(spec, block, shared_bytes, tuple(buffers), inv_freq)
+    return NativeLaunch(spec, block, grid, shared_bytes, tuple(buffers), inv_freq)
 
 
 def _empty_results(ctx, operands, names, mlir):
@@ -235,18 +235,26 @@ def _fake_pointer(index: int) -> int:
     return (index + 1) * _FAKE_POINTER_STEP
 
 
-def _flat_block(plan, spec) -> tuple[tuple[int, int, int], int]:
-    """A block of whole warps for the planned launch (jaxlib launches whole warps), and its
-    dynamic shared memory. The decode kernel gives each head its own thread: its heads are padded
-    up (threads without a head do nothing). The other kernels stride over heads and tokens, so
+def _flat_block(plan, spec) -> tuple[tuple[int, int, int], tuple[int, int], int]:
+    """A block of whole warps for the planned launch (jaxlib launches whole warps), its grid and
+    its dynamic shared memory. The decode kernel gives each head its own thread: its heads are
+    padded up (threads without a head do nothing), over more blocks where one would pass the
+    block limit. The other kernels stride over heads and tokens, so
     any y and z cover them: the whole-warp block nearest the planned one is taken, tokens per
     block first (H200, T = 65536, eager, % of an SM copy: planned (8, 10, 3) 95.4, (8, 8, 3) 94.8,
     (8, 8, 4) 94.6, (8, 4, 6) 92.8, (8, 4, 8) 91.9)."""
     x, y, z = (int(n) for n in spec.block)
+    grid = (int(spec.grid[0]), int(spec.grid[1]))
     limit = launch.THREADS_PER_BLOCK
     if spec.kernel.decode:
-        while (x * y) % 32:
-            y += 1
+        step = launch.whole_warp_heads(x)
+        y = -(-y // step) * step
+        if x * y > limit:  # the heads of one block over more blocks
+            num_heads = plan.num_q_heads + plan.num_k_heads
+            most = limit // (x * step) * step  # heads a whole-warp block holds
+            if most:
+                grid = (grid[0], -(-num_heads // most))
+                y = -(-(-(-num_heads // grid[1])) // step) * step
         choice = (x, y, 1) if x * y <= limit else None
     else:
         shapes = [(abs(c - z), abs(b - y), -b * c, b, c) for c in range(1, z + 1)
@@ -265,7 +273,7 @@ def _flat_block(plan, spec) -> tuple[tuple[int, int, int], int]:
                         if kernel.source == AngleSource.COMPUTED else 0)
     else:
         shared_bytes = launch.shared_angle_bytes(plan, kernel, choice)
-    return choice, shared_bytes
+    return choice, grid, shared_bytes
 
 
 def kernel_name(spec, block, buffers: tuple) -> str:

@@ -193,9 +193,14 @@ def decode_geometry(plan: RopePlan, pairs: int):
     grid_y = -(-num_heads // (THREADS_PER_BLOCK // chunks))
     block_y = -(-num_heads // grid_y)  # 40 heads over 2 blocks: 20 + 20, not 32 + 8
     if plan.source == AngleSource.COMPUTED:
-        head_multiple = 32 // math.gcd(chunks, 32)
-        block_y = -(-block_y // head_multiple) * head_multiple
+        step = whole_warp_heads(chunks)
+        block_y = -(-block_y // step) * step
     return (chunks, block_y, 1), (plan.num_tokens, grid_y)
+
+
+def whole_warp_heads(chunks: int) -> int:
+    """The multiple of heads that makes a decode block of ``chunks`` lanes a head whole warps."""
+    return 32 // math.gcd(chunks, 32)
 
 
 # Dynamic shared memory a launch may use without opting in to more (every CUDA GPU).

@@ -75,6 +75,8 @@ CASES = {
     "decode_cache": (lambda: _rope(1, 32, 8, 128, "bfloat16", "cache"), "rope_decode_kernel"),
     "decode_computed_padded": (lambda: _rope(3, 7, 1, 80, "bfloat16", "computed"),
                                "rope_decode_kernel"),
+    "decode_cache_split_heads": (lambda: _rope(3, 40, 8, 80, "bfloat16", "cache"),
+                                 "rope_decode_kernel"),  # 5 x 48 threads: whole warps need 2 blocks
     "lean_cache": (lambda: _rope(3000, 8, 2, 128, "float16", "cache"), "rope_lean_kernel"),
     "lean_computed": (lambda: _rope(3000, 8, 2, 128, "bfloat16", "computed"),
                       "rope_lean_kernel"),
@@ -109,8 +111,8 @@ def test_native_entry_plans_and_compiles(case, arch):
     assert spec.kernel.name_expression.split("<")[0].endswith(kernel), spec.kernel.name_expression
     threads = block[0] * block[1] * block[2]
     assert threads % 32 == 0 and threads <= 256 and block[0] == spec.block[0]
-    if spec.kernel.decode:  # one thread per head: padded up, never fewer
-        assert block[1] >= spec.block[1] and block[2] == 1
+    if spec.kernel.decode:  # one thread per head: every head keeps its thread
+        assert block[2] == 1 and block[1] * native.grid[1] >= plan.num_q_heads + plan.num_k_heads
     names = [n for n in native.buffers if n is not None]
     assert names[:len(avals)] == list(avals)  # XLA's operand order
     assert ("inv_freq" in names) == (native.inv_freq is not None)

@@ -85,6 +85,7 @@ CASES = {
     "partial_rotary": ((300,), 4, 1, 128, 64, "float32"),
     "odd_heads": ((7,), 5, 3, 64, 64, "bfloat16"),
     "batch_seq": ((2, 9), 4, 2, 80, 80, "bfloat16"),
+    "d80_48_heads": ((3,), 40, 8, 80, 80, "bfloat16"),  # decode: whole warps over 2 blocks
     "q_only": ((17,), 6, None, 128, 128, "float32"),
 }
 
