@@ -1,11 +1,12 @@
-"""The rotation as a native XLA operation on NVIDIA GPUs: jaxlib's GPU kernel call with NVRTC's PTX.
+"""cupyrope's ops as native XLA operations on NVIDIA GPUs: jaxlib's GPU kernel call with NVRTC's PTX.
 
 jaxlib ships a GPU custom call that launches a kernel given as PTX, with a grid and a list of array
 and scalar parameters (``jax._src.lib.gpu_triton``: ``TritonKernel``, ``TritonKernelCall``; the
-call target ``triton_kernel_call_ffi``, what Pallas and jax-triton lower to). :func:`lower_rope`
-lowers a traced ``apply_rope`` (the ``cupyrope_rope`` primitive of :mod:`cupyrope.jax_ops`) to
-that call: the launch is planned while lowering, from the shapes and dtypes XLA will pass
-(``plan_rope`` and ``launch.plan_launch``, as for an eager call), and the kernel that plan picks is
+call target ``triton_kernel_call_ffi``, what Pallas and jax-triton lower to). :func:`lower_planned`
+lowers a traced call (the ``cupyrope_rope`` / ``cupyrope_fused`` primitives of
+:mod:`cupyrope.jax_ops`) to that call: the launch is planned while lowering, from the shapes and
+dtypes XLA will pass (``plan_rope`` / ``plan_fused`` and ``launch.plan_launch``, as for an eager
+call), and the kernel that plan picks is
 compiled by NVRTC to PTX for the device's architecture. When the compiled function runs, XLA
 launches it on its own stream and buffers: no Python runs, the call can be captured in XLA's
 command buffers (CUDA graphs), and ``jax.export`` can serialise it (the PTX travels in the call's
@@ -49,7 +50,6 @@ import numpy as np
 from . import kernels, launch
 from .abi import AngleSource
 from .arrays import ArrayInfo, cupy_module, describe_traced
-from .plan import plan_rope
 
 NATIVE_ENV = "CUPYROPE_JAX_NATIVE"
 # jaxlib 0.11 (jax-cuda13-plugin 0.11.2 measured): TritonKernel(name, num_warps, num_ctas,
@@ -94,20 +94,6 @@ def unavailable_reason() -> str | None:
     except ImportError as exc:
         return f"NVRTC cannot be loaded through CuPy ({exc})"
     return None
-
-
-def lower_rope(ctx, *operands, static, present):
-    """The ``cupyrope_rope`` primitive as one XLA kernel call (see the module docstring).
-
-    ``operands``: q, then k, positions, cos_sin_cache, cos, sin where ``present`` marks them;
-    ``static``: the call's options (``jax_ops._Static``). Returns q_out (and k_out)."""
-    names = ("q",) + tuple(name for name, here in zip(
-        ("k", "positions", "cos_sin_cache", "cos", "sin"), present) if here)
-    infos = planning_infos(ctx.avals_in, names, kernels.current_device())
-    plan = plan_rope(infos["q"], infos.get("k"), infos.get("positions"),
-                     cos_sin_cache=infos.get("cos_sin_cache"), cos=infos.get("cos"),
-                     sin=infos.get("sin"), **static.call_options())
-    return lower_planned(ctx, operands, names, plan)
 
 
 def planning_infos(avals, names: tuple[str, ...], device: int) -> dict[str, ArrayInfo]:

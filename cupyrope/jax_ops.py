@@ -21,13 +21,15 @@ the whole call from the params and the operands' shapes. Each platform lowers th
   ``jax_enable_x64`` and an exact fixed-point reduction in 32-bit integers without it (see that
   module). XLA may contract products into fused multiply-adds, so results can differ from the
   eager NumPy path's by an ulp (both within the accuracy contract).
-- "cuda" / "rocm": :func:`_gpu_lowering`, the hook for a native XLA custom call. For now it
-  lowers to a ``jax.experimental.buffer_callback`` (JAX >= 0.7): XLA hands a Python callback its
-  own device buffers and compute stream, and the callback runs the CUDA kernel there (nothing is
-  copied or synchronised; Python runs at every execution, XLA does not fuse across it, and
-  ``jax.export`` cannot serialise it).
-- ``validate=True`` reads values when the call runs: such calls keep the callback on every
-  platform (on the CPU the NumPy path writes XLA's output buffers).
+- "cuda": :func:`_gpu_lowering`: one native XLA kernel call of the CUDA kernel the eager planner
+  picks (:mod:`cupyrope.jax_native`, jaxlib's GPU kernel call with NVRTC's PTX): no Python runs
+  per execution, XLA puts it in its command buffers, ``jax.export`` serialises it.
+- The callback route, a ``jax.experimental.buffer_callback`` (JAX >= 0.7): XLA hands a Python
+  callback its own device buffers and compute stream, and the callback runs the CUDA kernel there
+  (nothing is copied or synchronised; Python runs at every execution). It takes ``validate=True``
+  on every platform (values are read when the call runs; on the CPU the NumPy path writes XLA's
+  output buffers), ROCm, a jaxlib without the kernel call (warned once), and the cache write
+  inside a per-element ``jax.vmap``.
 - ``jax.vmap`` of ``apply_rope``, ``rms_norm_rope`` and fp8 outputs is one primitive call for the
   whole batch: a ``custom_vmap`` rule makes the batch a leading token dim (``_batched_rope``,
   ``_batched_fused``); a batched cos/sin cache, weights or scales, or M-RoPE positions, run once
@@ -46,7 +48,7 @@ axis does not divide Hk, and the last token dim when positions are the implicit 
 
 fp8 arrays cross the callback as their bits (uint8 buffers, bitcast by XLA on either side, which
 costs nothing): XLA's buffers offer no CUDA array interface for fp8, and the kernels are told the
-format, as for CuPy's uint8 fp8 arrays.
+format, as for CuPy's uint8 fp8 arrays. The native call takes them as they are.
 
 Argument errors are raised while tracing (the checks run on the traced shapes and dtypes), with
 the same exception types and messages as eager calls. ``validate=True`` reads positions (and slots)
@@ -168,11 +170,8 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     static = _Static(_number(theta, "theta"), _hashable_scaling(scaling), interleaved,
                      rotary_dim, inverse, validate, seq_len)
     # Argument errors are raised now, while tracing, from the traced shapes and dtypes.
-    plan_rope(*(None if x is None else describe_traced(x, name)
-                for x, name in zip(arrays[:3], _ARGUMENTS)),
-              **{name: None if x is None else describe_traced(x, name)
-                 for x, name in zip(arrays[3:], _TABLES)},
-              inplace=inplace, **static.call_options())
+    _plan_rotation({name: describe_traced(x, name) for x, name in zip(arrays, _ARGUMENTS)
+                    if x is not None}, static, inplace=inplace)
     q, k, *tables = arrays
     q_out, k_out = _rope(static, q, k, tuple(tables))
     return q_out if k is None else (q_out, k_out)
@@ -670,22 +669,29 @@ def _fused_primitive_call(fused: _Fused, arrays: tuple) -> tuple:
     return tuple(_bind("fused", dict(fused=fused), list(arrays), partitioned=partitioned))
 
 
+def _rope_names(present: tuple[bool, ...]) -> tuple[str, ...]:
+    """The names of a ``cupyrope_rope``'s operands: q, then the present ones of k, positions,
+    cos_sin_cache, cos, sin."""
+    return ("q",) + tuple(name for name, here in zip(_ARGUMENTS[1:], present) if here)
+
+
 def _named_operands(present: tuple[bool, ...], operands) -> dict:
     """The rotation's operands by name (absent ones None)."""
-    it = iter(operands)
-    q = next(it)
-    return dict(q=q, **{name: next(it) if here else None
-                        for name, here in zip(("k", *_ARGUMENTS[2:]), present)})
+    return dict(dict.fromkeys(_ARGUMENTS), **dict(zip(_rope_names(present), operands)))
+
+
+def _plan_rotation(infos: dict, static: _Static, *, inplace: bool = False):
+    """The checked plan of a rotation from its arrays' infos by name (absent ones left out)."""
+    return plan_rope(infos["q"], infos.get("k"), infos.get("positions"),
+                     **{name: infos.get(name) for name in _TABLES}, inplace=inplace,
+                     **static.call_options())
 
 
 def _rope_jnp(*operands, static: _Static, present: tuple[bool, ...]):
     """cupyrope_rope as jax.numpy (:mod:`cupyrope.jax_lowering`), planned from the shapes."""
     named = _named_operands(present, operands)
-    plan = plan_rope(*(None if named[name] is None else describe_traced(named[name], name)
-                       for name in _ARGUMENTS[:3]),
-                     **{name: None if named[name] is None else describe_traced(named[name], name)
-                        for name in _TABLES},
-                     **static.call_options())
+    plan = _plan_rotation({name: describe_traced(x, name) for name, x in named.items()
+                           if x is not None}, static)
     outs = jax_lowering.rotate(plan, *(named[name] for name in _ARGUMENTS))
     return [x for x in outs if x is not None]
 
@@ -751,7 +757,10 @@ def _gpu_lowering(kind: str, platform: str, ctx, *operands, **params):
         reason = jax_native.unavailable_reason()
         if reason is None:
             if kind == "rope":
-                return jax_native.lower_rope(ctx, *operands, **params)
+                names = _rope_names(params["present"])
+                infos = jax_native.planning_infos(ctx.avals_in, names, current_device())
+                return jax_native.lower_planned(ctx, operands, names,
+                                                _plan_rotation(infos, params["static"]))
             fused = params["fused"]
             if not (fused.per_element and any(name in fused.names for name in _CACHES)):
                 return jax_native.lower_planned(ctx, operands, fused.names, _native_fused_plan(
@@ -843,11 +852,7 @@ class _Bound(NamedTuple):
 
 
 def _bind(kind: str, params: dict, operands: list, *, partitioned: bool) -> tuple:
-    if kind == "rope":
-        present = params["present"]
-        names = ("q",) + tuple(n for n, here in zip(("k", *_ARGUMENTS[2:]), present) if here)
-    else:
-        names = params["fused"].names
+    names = _rope_names(params["present"]) if kind == "rope" else params["fused"].names
     bound = _Bound(kind, tuple(sorted(params.items())), names)
     if not partitioned:
         return bound.bind(operands)

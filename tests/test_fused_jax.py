@@ -193,8 +193,8 @@ def test_rope_and_cache_returns_new_caches(backend, rng, layout, block_size, dty
 @pytest.mark.parametrize("backend", JAX, indirect=True)
 @pytest.mark.parametrize("cache_format", ["float32", "float8_e4m3fn"])
 def test_donated_caches_are_updated_in_place_across_decode_steps(backend, rng, cache_format):
-    """Two decode steps of one jitted function that donates its caches: each step writes its
-    slots into the same buffers, and the first step's rows survive the second."""
+    """Two decode steps of one jitted function that donates its caches: each step's caches are
+    consumed, its slots written, and the first step's rows survive the second."""
     T, Hk, D, blocks, size = 4, 2, 64, 3, 4
     fmt = np_dtype(cache_format) if cache_format == "float32" else getattr(ml_dtypes, cache_format)
     caches = [backend.put(np.zeros((blocks, size, Hk, D), fmt)) for _ in range(2)]
@@ -205,16 +205,14 @@ def test_donated_caches_are_updated_in_place_across_decode_steps(backend, rng, c
     for first_slot in (0, T):
         q, k, v = random(rng, (T, 3, D)), random(rng, (T, Hk, D)), random(rng, (T, Hk, D))
         positions, slots = np.arange(T, dtype=np.int32) + first_slot, np.arange(T) + first_slot
-        pointers = [c.unsafe_buffer_pointer() for c in caches]
         *_, k_cache, v_cache = step(*(backend.put(x) for x in (q, k, v, positions)), *caches,
                                     backend.put(slots.astype(np.int32)))
         assert all(c.is_deleted() for c in caches)
-        # Donation lets XLA reuse the buffers (may-alias), it does not oblige it to: with fp8
-        # caches XLA on an H200 (jaxlib 0.11.2) gave the k cache a new buffer in about half of
-        # the runs, through the callback and through the native call alike; float32 caches were
-        # always updated in place. The values are checked either way.
-        if cache_format == "float32" or backend.name != "jax-gpu":
-            assert [k_cache.unsafe_buffer_pointer(), v_cache.unsafe_buffer_pointer()] == pointers
+        # Donation lets XLA reuse the buffers (may-alias) but does not oblige it to: on an H200
+        # machine (jaxlib 0.11.2) XLA gave a cache a new buffer in some runs, on the GPU and the
+        # CPU device, float32 and fp8 caches, through every route (also at the commit before
+        # them), so buffer reuse is not asserted; the donated arrays are consumed, and each
+        # step's rows must survive the next.
         caches = [k_cache, v_cache]
         written[first_slot] = (reference_rope(k, positions), v)
     rows_k, rows_v = (np.asarray(c).astype(np.float64).reshape(-1, Hk, D) for c in caches)
