@@ -9,9 +9,9 @@ take a vectorised NumPy path with the same semantics.
 """
 
 from .api import apply_rope, rms_norm_rope, rope_and_cache
-from .frequencies import cos_sin_cache, rope_frequencies
-from .abi import AngleSource
-from .prepare import warmup
+from .core.frequencies import cos_sin_cache, rope_frequencies
+from .core.abi import AngleSource
+from .warmup import warmup
 from .positions import context_parallel_positions, te_positions, varlen_positions
 
 
@@ -37,10 +37,11 @@ __version__ = _version()
 def clear_cache() -> None:
     """Forget compiled kernels, uploaded frequency tables and the ``CUPYROPE_ANGLE_ARITHMETIC``
     setting read by this process (set that variable, then call this, to switch arithmetics)."""
-    from . import execute, kernels, launch
+    from . import execute
+    from .cuda import compiler, launch
 
     execute.clear()
-    kernels.clear_cache()
+    compiler.clear_cache()
     launch.device_constants.clear()
 
 

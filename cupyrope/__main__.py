@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 import cupyrope as cr
-from cupyrope.dtypes import numpy_dtype
+from cupyrope.core.dtypes import numpy_dtype
 
 # The accuracy contract, in ulps of the output dtype at |x1| + |x2| of the pair: 16-bit outputs are
 # at most one ulp from the correctly rounded value; float32 within a few ulps.

@@ -3,9 +3,9 @@
 A call goes to one of three places, decided here once:
 
 - inside ``torch.compile`` / ``torch.export`` tracing: the traceable torch custom op
-  (``cupyrope.torch_ops``);
+  (``cupyrope.frontends.torch.ops``);
 - torch tensors that require grad (grad mode on): the differentiable custom ops, and JAX tracers
-  (``jax.grad``, ``jax.jit``, ``jax.vmap``): ``cupyrope.jax_ops``;
+  (``jax.grad``, ``jax.jit``, ``jax.vmap``): ``cupyrope.frontends.jax.ops``;
 - everything else: :func:`cupyrope.execute.run` directly.
 
 Both framework routes end in :func:`cupyrope.execute.run` too, so every call is checked, planned
@@ -96,8 +96,8 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
     Notes
     -----
     Differentiable in q and k: torch tensors that require grad go through the ``torch.library``
-    operators of :mod:`cupyrope.torch_ops` (also what ``torch.compile`` traces), JAX tracers
-    (``jax.grad`` / ``jax.jit`` / ``jax.vmap``) through :mod:`cupyrope.jax_ops`.
+    operators of :mod:`cupyrope.frontends.torch.ops` (also what ``torch.compile`` traces), JAX tracers
+    (``jax.grad`` / ``jax.jit`` / ``jax.vmap``) through :mod:`cupyrope.frontends.jax.ops`.
 
     Examples
     --------
@@ -148,15 +148,15 @@ _compiling = _compiling_before_torch
 
 
 def _torch_ops():
-    from . import torch_ops
+    from .frontends.torch import ops as torch_ops
 
     return torch_ops
 
 
 def _framework_route(q, k, positions, cos_sin_cache, cos, sin):
     """The module that must run this call, or None for the array path: torch tensors that require
-    grad (grad mode on) and DTensors go through the custom ops of ``cupyrope.torch_ops``, JAX
-    tracers (``jax.grad``, ``jax.jit``, ``jax.vmap``) through ``cupyrope.jax_ops``. Neither
+    grad (grad mode on) and DTensors go through the custom ops of ``cupyrope.frontends.torch.ops``, JAX
+    tracers (``jax.grad``, ``jax.jit``, ``jax.vmap``) through ``cupyrope.frontends.jax.ops``. Neither
     framework is imported here: only one the caller has already imported is asked."""
     if "torch" in sys.modules:
         torch_ops = _torch_ops()
@@ -164,7 +164,7 @@ def _framework_route(q, k, positions, cos_sin_cache, cos, sin):
                                                                       cos_sin_cache, cos, sin):
             return torch_ops
     if "jax" in sys.modules:
-        from . import jax_ops
+        from .frontends.jax import ops as jax_ops
 
         if jax_ops.is_traced(q, k, positions, cos_sin_cache, cos, sin):
             return jax_ops
@@ -182,8 +182,8 @@ def _rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_d
 def _fused_route(where, q, k, positions, rope, fusion):
     """The module whose ``run_fused`` must take a fused call, or None for the array path: calls
     traced by torch.compile, torch tensors that require grad and DTensors go to
-    ``cupyrope.torch_ops``, JAX
-    tracers to ``cupyrope.jax_ops``. As for :func:`_framework_route`, only a framework the caller
+    ``cupyrope.frontends.torch.ops``, JAX
+    tracers to ``cupyrope.frontends.jax.ops``. As for :func:`_framework_route`, only a framework the caller
     has already imported is asked."""
     if _compiling():
         return _torch_ops()
@@ -193,7 +193,7 @@ def _fused_route(where, q, k, positions, rope, fusion):
         if torch_ops.needs_autograd(q, k, *fusion.values()) or torch_ops.is_distributed(*arrays):
             return torch_ops
     if "jax" in sys.modules:
-        from . import jax_ops
+        from .frontends.jax import ops as jax_ops
 
         if (jax_ops.is_traced(q, k, positions, *rope.values(), *fusion.values())
                 or jax_ops.updates_jax_cache(q, fusion)):

@@ -2,22 +2,22 @@
 the NumPy path on the CPU), results out.
 
 :func:`run` is what the eager call, the torch custom ops and the JAX callbacks all come down to. It
-tries the repeat-call path first (``cupyrope.recipes``: a launch replayed from an earlier call of
-the same layout), then checks and plans the call in full (``cupyrope.plan``), allocates outputs in
-the caller's array type (``cupyrope.arrays``) and rotates on the GPU (``cupyrope.launch``) or the
-host (``cupyrope.numpy_path``). Routing to a framework's own machinery (autograd, tracing) is
+tries the repeat-call path first (``cupyrope.cuda.recipes``: a launch replayed from an earlier call of
+the same layout), then checks and plans the call in full (``cupyrope.core.plan``), allocates outputs in
+the caller's array type (``cupyrope.core.arrays``) and rotates on the GPU (``cupyrope.cuda.launch``) or the
+host (``cupyrope.core.numpy_path``). Routing to a framework's own machinery (autograd, tracing) is
 decided once, by the caller of :func:`run`, through its ``router`` argument: nothing here imports
 a route.
 """
 
 from __future__ import annotations
 
-from .arrays import ArrayInfo, describe, empty_like_caller, finish, host_view, mark_written
-from .fusion import plan_fused
-from .numpy_path import fused_on_host, rotate_on_host
-from .overlap import byte_span
-from .plan import RopePlan, check_values, plan_outputs, plan_rope
-from .recipes import (FUSED_OPERANDS, call_key, fused_call_key, guard_in_place, guard_written,
+from .core.arrays import ArrayInfo, describe, empty_like_caller, finish, host_view, mark_written
+from .core.fused_plan import plan_fused
+from .core.numpy_path import fused_on_host, rotate_on_host
+from .core.overlap import byte_span
+from .core.plan import RopePlan, check_values, plan_outputs, plan_rope
+from .cuda.recipes import (FUSED_OPERANDS, call_key, fused_call_key, guard_in_place, guard_written,
                       recipes, replay, replay_fused)
 
 
@@ -104,7 +104,7 @@ def rotate(plan: RopePlan, outputs: list[ArrayInfo]):
     if plan.is_empty:
         return None
     if plan.q.on_gpu:
-        from .launch import rotate_on_gpu  # CuPy is imported with the first GPU call only
+        from .cuda.launch import rotate_on_gpu  # CuPy is imported with the first GPU call only
 
         return rotate_on_gpu(plan, outputs)
     host_outputs = [host_view(info) for info in outputs]

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import describe, place_like, to_host
-from .validators import check_int
+from .core.arrays import describe, place_like, to_host
+from .core.validators import check_int
 
 
 def varlen_positions(cu_seqlens: Any, offsets: Any = None) -> Any:

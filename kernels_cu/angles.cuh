@@ -5,7 +5,7 @@
 // reduced modulo pi/2 exactly (to far below float32 rounding), and only then rounded to float32
 // for the polynomials on |r| <= pi/4 (sin_kernel / cos_kernel, about one float32 ulp), with the
 // quadrant picking signs. Two arithmetics do the exact part; the build picks one
-// (CUPYROPE_ANGLES_FLOAT_FLOAT, set per device by cupyrope.kernels.angle_arithmetic):
+// (CUPYROPE_ANGLES_FLOAT_FLOAT, set per device by cupyrope.cuda.compiler.angle_arithmetic):
 //
 // - float64 (default; GPUs with full-rate FP64: sm_60, 70, 80, 90, 100): the product in float64
 //   (2^-53 relative) and the reduction in float64 with a two-part pi/2 (FMA keeps k * pi/2

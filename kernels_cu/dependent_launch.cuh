@@ -1,4 +1,4 @@
-// Programmatic dependent launch (cupyrope/dependent_launch.py decides which launches use it; sm_90
+// Programmatic dependent launch (cupyrope/cuda/dependent_launch.py decides which launches use it; sm_90
 // and later): a grid launched with it may be dispatched while the previous kernel of its stream is
 // still finishing. wait_for_previous_grid lets the next such launch start early too, then waits for
 // the previous kernel's completion and memory; a kernel calls it before its first global memory

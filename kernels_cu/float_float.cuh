@@ -1,7 +1,7 @@
 // Float-float ("double-float") range reduction of in-kernel angles, for GPUs whose FP64 is slow.
 //
 // angles.cuh computes cos/sin of position * inv_freq. Built with -DCUPYROPE_ANGLES_FLOAT_FLOAT=1
-// (cupyrope.kernels.angle_arithmetic picks it per device), the float32 kernels form and reduce that
+// (cupyrope.cuda.compiler.angle_arithmetic picks it per device), the float32 kernels form and reduce that
 // angle here with float32 operations and integer bit operations only: no FP64 instruction at all.
 //
 // Every value is carried as a sum of float32 terms that is exact, so the only rounding that

@@ -1,4 +1,4 @@
-// RoPE entry points: the templated __global__ kernels that cupyrope/kernels.py instantiates. The
+// RoPE entry points: the templated __global__ kernels that cupyrope/cuda/compiler.py instantiates. The
 // device code they share lives in the headers: token offsets and positions (token_offsets.cuh),
 // cos/sin of a chunk of pairs (angles.cuh), the rotation of every head (rotation.cuh).
 //

@@ -1,5 +1,5 @@
 // What the kernels share with Python: the one by-value argument of every rope kernel and the
-// numbers both sides must agree on. cupyrope/abi.py mirrors every name here, and
+// numbers both sides must agree on. cupyrope/core/abi.py mirrors every name here, and
 // tests/test_abi.py checks the two against each other with NVRTC static_asserts.
 //
 // Every field of RopeParams is 8 bytes wide so that the layout has no padding (PARAMS_DTYPE in

@@ -1,6 +1,6 @@
 // A thread's coordinates in its block. Kernels read them through these functions, not the
 // threadIdx / blockDim builtins, so that one build can run them from a one-dimensional block:
-// XLA's kernel call (jaxlib's gpu_triton, cupyrope/jax_native.py) launches blocks of whole warps
+// XLA's kernel call (jaxlib's gpu_triton, cupyrope/frontends/jax/native.py) launches blocks of whole warps
 // along x only. That build defines CUPYROPE_FLAT_BLOCK_X / _Y / _Z, the block shape the launch
 // was planned for (a whole number of warps), and a flat thread index t is the thread
 // (t % X, t / X % Y, t / (X * Y)): the same warps, lane for lane, as a three-dimensional launch

@@ -7,7 +7,7 @@ measures three ways of turning a position into cos/sin:
   ``apply_rope`` as a cache;
 - ``in-kernel``: angles computed by ``apply_rope`` itself from theta / scaling (the NumPy path on the
   CPU: float64 angles; on a GPU: the kernel's float64 or float-float product and range reduction,
-  as ``cupyrope.kernels.angle_arithmetic`` picks for the device or CUPYROPE_ANGLE_ARITHMETIC sets;
+  as ``cupyrope.cuda.compiler.angle_arithmetic`` picks for the device or CUPYROPE_ANGLE_ARITHMETIC sets;
   the GPU's heading names it);
 - ``fp32 angle``: Hugging Face's formulation, ``(positions.float() * inv_freq.float())`` then cos/sin
   in float32 (torch when installed, else NumPy float32).
@@ -49,8 +49,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout works
 
 import cupyrope as cr  # noqa: E402
-from cupyrope.dtypes import numpy_dtype, round_once  # noqa: E402
-from cupyrope.frequencies import cos_sin_table  # noqa: E402
+from cupyrope.core.dtypes import numpy_dtype, round_once  # noqa: E402
+from cupyrope.core.frequencies import cos_sin_table  # noqa: E402
 
 SOURCES = ("table", "in-kernel", "fp32 angle")
 ROTATION_DTYPES = ("bfloat16", "float32")
@@ -111,7 +111,7 @@ class Device:
             self.cupy = cupy
             props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
             gpu = props["name"]
-            from cupyrope.kernels import angle_arithmetic
+            from cupyrope.cuda.compiler import angle_arithmetic
 
             arithmetic = angle_arithmetic(cupy.cuda.runtime.getDevice())
             self.description = (f"GPU kernels ({gpu.decode() if isinstance(gpu, bytes) else gpu}, "

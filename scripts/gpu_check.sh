@@ -106,7 +106,7 @@ else
     echo "falling back to PYTHONPATH=${PWD}"
     export PYTHONPATH="${PWD}${PYTHONPATH:+:${PYTHONPATH}}"
 fi
-"${PY}" -c 'import cupyrope, cupyrope.kernels as k; print("cupyrope", cupyrope.__version__, "from", cupyrope.__file__); print("kernel sources:", k.kernel_source_dir())'
+"${PY}" -c 'import cupyrope, cupyrope.cuda.compiler as k; print("cupyrope", cupyrope.__version__, "from", cupyrope.__file__); print("kernel sources:", k.kernel_source_dir())'
 
 # ------------------------------------------------------------------------------------------------
 PYTEST_STATUS=0

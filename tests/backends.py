@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cupyrope as cr
-from cupyrope.arrays import describe
+from cupyrope.core.arrays import describe
 from reference import default_positions, reference_angles, reference_inv_freq, reference_rope
 from tolerances import assert_bits_equal, assert_rope_close, max_abs_angle, np_dtype
 

@@ -1,4 +1,4 @@
-"""Test helpers of the traced JAX route (cupyrope/jax_ops.py).
+"""Test helpers of the traced JAX route (cupyrope/frontends/jax/ops.py).
 
 - :func:`launches`: how many cupyrope primitives a JAX function runs, and on which shapes, read
   from its jaxpr. Every traced call binds ``cupyrope_rope`` or ``cupyrope_fused`` once per launch;

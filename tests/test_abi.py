@@ -1,4 +1,4 @@
-"""Everything the kernels share with Python (cupyrope/abi.py) matches the CUDA sources: the
+"""Everything the kernels share with Python (cupyrope/core/abi.py) matches the CUDA sources: the
 RopeParams layout byte for byte, the angle sources, the M-RoPE modes, the block size limit and the
 access layout of every dtype, pairing and width, all checked by NVRTC static_asserts (no GPU)."""
 
@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from cupyrope import kernels
-from cupyrope.abi import (
+from cupyrope.cuda import compiler
+from cupyrope.core.abi import (
     MAX_TOKEN_DIMS,
     DECODE_PARAMS_DTYPE,
     PARAMS_DTYPE,
@@ -19,7 +19,7 @@ from cupyrope.abi import (
     WeightDtype,
     access_layout,
 )
-from cupyrope.dtypes import CUDA_TYPE_NAMES, ITEMSIZE
+from cupyrope.core.dtypes import CUDA_TYPE_NAMES, ITEMSIZE
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -30,7 +30,7 @@ def _compile(source: str, name: str) -> str | None:
     """None when NVRTC compiles ``source`` for sm_80, else its log."""
     program = nvrtc.createProgram(source, name, [], [])
     try:
-        nvrtc.compileProgram(program, list(kernels.compile_options()) + ["--gpu-architecture=sm_80"])
+        nvrtc.compileProgram(program, list(compiler.compile_options()) + ["--gpu-architecture=sm_80"])
         return None
     except nvrtc.NVRTCError:
         return nvrtc.getProgramLog(program)
@@ -90,7 +90,7 @@ def _constants_source() -> str:
 
 def test_shared_constants_match_the_cuda_sources():
     log = _compile(_constants_source(), "abi.cu")
-    assert log is None, f"cupyrope/abi.py differs from the CUDA sources:\n{log}"
+    assert log is None, f"cupyrope/core/abi.py differs from the CUDA sources:\n{log}"
 
 
 def test_a_mismatch_fails_the_check():

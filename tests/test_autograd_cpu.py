@@ -1,4 +1,4 @@
-"""Autograd and torch.compile through apply_rope for torch CPU tensors (cupyrope.torch_ops).
+"""Autograd and torch.compile through apply_rope for torch CPU tensors (cupyrope.frontends.torch.ops).
 
 The custom ops run the NumPy path on CPU tensors, float64 for float64 inputs, so the gradients are
 checked here without a GPU:
@@ -331,7 +331,7 @@ def _op_args(source, dtype, with_k, interleaved, rng, randn):
     T, D, r = 4, 8, 6
     lib, _, _, _ = angle_call(source, (T,), r, interleaved=interleaved, rng=rng,
                               table_dtype="float32")
-    from cupyrope.scaling import scaling_op_args
+    from cupyrope.core.scaling import scaling_op_args
 
     q = to_torch(randn((T, 2, D), dtype))
     k = to_torch(randn((T, 1, D), dtype)) if with_k else None

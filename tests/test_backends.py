@@ -9,7 +9,7 @@ import pytest
 import cupyrope as cr
 from backends import (BACKEND_NAMES, MAX_POSITION, SOURCES, Backend, _gpu_available, angle_source,
                       backend_params, require, rope_and_check)
-from cupyrope.arrays import describe
+from cupyrope.core.arrays import describe
 from tolerances import (C_COMPUTE, assert_bits_equal, assert_rope_close, compute_eps, np_dtype,
                         unit_roundoff)
 

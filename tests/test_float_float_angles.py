@@ -25,8 +25,8 @@ import pytest
 
 import cupyrope as cr
 import float_float as ff
-from cupyrope import kernels
-from cupyrope.abi import AngleSource
+from cupyrope.cuda import compiler
+from cupyrope.core.abi import AngleSource
 from reference import PI_OVER_2, exact_reduced_angles
 
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "float_float.cuh"
@@ -281,34 +281,34 @@ def test_arithmetic_by_compute_capability():
     full_rate = [(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)]
     slow = [(5, 2), (6, 1), (7, 2), (7, 5), (8, 6), (8, 7), (8, 9), (10, 3), (11, 0), (12, 0),
             (12, 1)]
-    assert [kernels.arithmetic_for_capability(*cc) for cc in full_rate] == ["float64"] * 5
-    assert [kernels.arithmetic_for_capability(*cc) for cc in slow] == ["float-float"] * len(slow)
+    assert [compiler.arithmetic_for_capability(*cc) for cc in full_rate] == ["float64"] * 5
+    assert [compiler.arithmetic_for_capability(*cc) for cc in slow] == ["float-float"] * len(slow)
 
 
 @pytest.mark.parametrize("value,expected", [(None, "auto"), ("", "auto"), ("auto", "auto"),
                                             ("float64", "float64"), ("Float-Float ", "float-float")])
 def test_environment_setting(monkeypatch, value, expected):
     if value is None:
-        monkeypatch.delenv(kernels.ANGLE_ARITHMETIC_ENV, raising=False)
+        monkeypatch.delenv(compiler.ANGLE_ARITHMETIC_ENV, raising=False)
     else:
-        monkeypatch.setenv(kernels.ANGLE_ARITHMETIC_ENV, value)
-    assert kernels.angle_arithmetic_setting() == expected
+        monkeypatch.setenv(compiler.ANGLE_ARITHMETIC_ENV, value)
+    assert compiler.angle_arithmetic_setting() == expected
 
 
 @pytest.mark.parametrize("value", ["fp32", "double", "float_float", "1"])
 def test_bad_environment_value_raises(monkeypatch, value):
-    monkeypatch.setenv(kernels.ANGLE_ARITHMETIC_ENV, value)
+    monkeypatch.setenv(compiler.ANGLE_ARITHMETIC_ENV, value)
     with pytest.raises(ValueError, match=r"CUPYROPE_ANGLE_ARITHMETIC=.*'auto', 'float64', 'float-float'"):
-        kernels.angle_arithmetic_setting()
+        compiler.angle_arithmetic_setting()
 
 
 def test_compile_options_carry_the_arithmetic():
-    base = kernels.compile_options()
+    base = compiler.compile_options()
     assert not any("ANGLES_FLOAT_FLOAT" in o for o in base)
-    assert kernels.compile_options("float-float") == base + ("-DCUPYROPE_ANGLES_FLOAT_FLOAT=1",)
-    assert kernels.compile_options("float64") == base + ("-DCUPYROPE_ANGLES_FLOAT_FLOAT=0",)
+    assert compiler.compile_options("float-float") == base + ("-DCUPYROPE_ANGLES_FLOAT_FLOAT=1",)
+    assert compiler.compile_options("float64") == base + ("-DCUPYROPE_ANGLES_FLOAT_FLOAT=0",)
     with pytest.raises(ValueError, match="arithmetic"):
-        kernels.compile_options("float32")
+        compiler.compile_options("float32")
 
 
 class _FakeKernel:
@@ -325,43 +325,43 @@ def test_compiled_kernels_are_keyed_on_the_arithmetic(monkeypatch):
         compiles.append(arithmetic)
         return _FakeKernel(spec, device_id, arithmetic)
 
-    monkeypatch.setattr(kernels, "_compile", fake_compile)
-    monkeypatch.setattr(kernels, "_compute_capability",
+    monkeypatch.setattr(compiler, "_compile", fake_compile)
+    monkeypatch.setattr(compiler, "_compute_capability",
                         lambda device_id: {0: (8, 9), 1: (9, 0)}[device_id])
-    monkeypatch.setattr(kernels, "_compiled", {})
-    monkeypatch.setattr(kernels, "_locks", {})
-    monkeypatch.setattr(kernels, "_retired", [])
-    computed = next(s for s in kernels.SPECIALISATIONS
+    monkeypatch.setattr(compiler, "_compiled", {})
+    monkeypatch.setattr(compiler, "_locks", {})
+    monkeypatch.setattr(compiler, "_retired", [])
+    computed = next(s for s in compiler.SPECIALISATIONS
                     if s.source == AngleSource.COMPUTED and s.dtype == "bfloat16")
-    computed64 = next(s for s in kernels.SPECIALISATIONS
+    computed64 = next(s for s in compiler.SPECIALISATIONS
                       if s.source == AngleSource.COMPUTED and s.dtype == "float64")
-    table = next(s for s in kernels.SPECIALISATIONS if s.source == AngleSource.CACHE_TABLE)
+    table = next(s for s in compiler.SPECIALISATIONS if s.source == AngleSource.CACHE_TABLE)
 
-    monkeypatch.delenv(kernels.ANGLE_ARITHMETIC_ENV, raising=False)
-    kernels.clear_cache()
+    monkeypatch.delenv(compiler.ANGLE_ARITHMETIC_ENV, raising=False)
+    compiler.clear_cache()
     try:
-        assert kernels.get_kernel(computed, 0).angle_arithmetic == "float-float"  # sm_89
-        assert kernels.get_kernel(computed, 1).angle_arithmetic == "float64"      # sm_90
-        assert kernels.get_kernel(table, 0).angle_arithmetic is None
-        assert kernels.get_kernel(computed64, 0).angle_arithmetic is None
+        assert compiler.get_kernel(computed, 0).angle_arithmetic == "float-float"  # sm_89
+        assert compiler.get_kernel(computed, 1).angle_arithmetic == "float64"      # sm_90
+        assert compiler.get_kernel(table, 0).angle_arithmetic is None
+        assert compiler.get_kernel(computed64, 0).angle_arithmetic is None
         assert compiles == ["float-float", "float64", None, None]
-        monkeypatch.setenv(kernels.ANGLE_ARITHMETIC_ENV, "float64")
+        monkeypatch.setenv(compiler.ANGLE_ARITHMETIC_ENV, "float64")
         # read once: the kernels in hand stay until clear_cache()
-        assert kernels.get_kernel(computed, 0).angle_arithmetic == "float-float"
-        assert kernels.angle_arithmetic(0) == "float-float" and len(compiles) == 4
-        kernels.clear_cache()
-        assert not kernels.is_compiled(computed, 0) and kernels.angle_arithmetic(0) == "float64"
-        assert kernels.get_kernel(computed, 0).angle_arithmetic == "float64"
-        assert kernels.get_kernel(table, 0).angle_arithmetic is None
-        assert set(kernels._compiled) == {(0, "float64", computed), (0, None, table)}
+        assert compiler.get_kernel(computed, 0).angle_arithmetic == "float-float"
+        assert compiler.angle_arithmetic(0) == "float-float" and len(compiles) == 4
+        compiler.clear_cache()
+        assert not compiler.is_compiled(computed, 0) and compiler.angle_arithmetic(0) == "float64"
+        assert compiler.get_kernel(computed, 0).angle_arithmetic == "float64"
+        assert compiler.get_kernel(table, 0).angle_arithmetic is None
+        assert set(compiler._compiled) == {(0, "float64", computed), (0, None, table)}
         # a stale entry of the other arithmetic is never handed out
-        kernels._compiled[(0, "float-float", computed)] = _FakeKernel(computed, 0, "float-float")
-        assert kernels.get_kernel(computed, 0).angle_arithmetic == "float64"
+        compiler._compiled[(0, "float-float", computed)] = _FakeKernel(computed, 0, "float-float")
+        assert compiler.get_kernel(computed, 0).angle_arithmetic == "float64"
         assert compiles == ["float-float", "float64", None, None, "float64", None]
-        monkeypatch.setenv(kernels.ANGLE_ARITHMETIC_ENV, "fast")
-        kernels.clear_cache()
+        monkeypatch.setenv(compiler.ANGLE_ARITHMETIC_ENV, "fast")
+        compiler.clear_cache()
         with pytest.raises(ValueError, match="CUPYROPE_ANGLE_ARITHMETIC"):
-            kernels.get_kernel(table, 0)
+            compiler.get_kernel(table, 0)
     finally:
         monkeypatch.undo()
-        kernels.clear_cache()  # forget the setting read under the patched environment
+        compiler.clear_cache()  # forget the setting read under the patched environment

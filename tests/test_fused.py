@@ -87,7 +87,8 @@ def test_rms_norm_rope_matches_the_reference(backend, rng, dtype, source, interl
 def launched_kernels(monkeypatch) -> list:
     """The KernelSpec of every launch the test plans, in order (repeat calls of a layout replay
     their first launch unplanned: the recipes of earlier tests are forgotten first)."""
-    from cupyrope import execute, launch
+    from cupyrope import execute
+    from cupyrope.cuda import launch
 
     execute.clear()
 
@@ -140,7 +141,7 @@ def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kern
     """The common layout runs the lean fused kernel, compiled for the fusions of the call; the
     general fused kernel, forced onto the same call, gives results within the same bounds. Head
     sizes of 96 leave lanes without a chunk (the norm's lanes are a power of two)."""
-    from cupyrope import launch
+    from cupyrope.cuda import launch
 
     ran = launched_kernels
     if kernel == "general":

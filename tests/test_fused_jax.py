@@ -1,4 +1,4 @@
-"""The fused ops on JAX (cupyrope/jax_ops.py): ``rms_norm_rope``, fp8 outputs and
+"""The fused ops on JAX (cupyrope/frontends/jax/ops.py): ``rms_norm_rope``, fp8 outputs and
 ``rope_and_cache`` under jax.jit, jax.grad and jax.vmap, on JAX CPU (CI) and JAX GPU (marked gpu).
 
 - jit of each op against the float64 reference, and bit for bit against the eager call;

@@ -1,4 +1,4 @@
-"""The fused ops as torch.library operators (cupyrope.torch_ops): gradients of ``rms_norm_rope``,
+"""The fused ops as torch.library operators (cupyrope.frontends.torch.ops): gradients of ``rms_norm_rope``,
 torch.compile, CUDA graphs, opcheck and the refusals of what has no gradient.
 
 The operators run the NumPy path on CPU tensors, so everything but CUDA-graph capture is checked
@@ -32,8 +32,8 @@ torch = pytest.importorskip("torch")
 
 import cupyrope as cr  # noqa: E402
 from autograd_cases import SOURCES, angle_call, to_torch, torch_reference_rope  # noqa: E402
-from cupyrope import torch_ops  # noqa: E402
-from cupyrope.scaling import scaling_op_args  # noqa: E402
+from cupyrope.frontends.torch import ops as torch_ops  # noqa: E402
+from cupyrope.core.scaling import scaling_op_args  # noqa: E402
 from reference import reference_rope  # noqa: E402
 from tolerances import (  # noqa: E402
     as_numpy,

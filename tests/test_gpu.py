@@ -257,7 +257,7 @@ SOURCES = ("cache", "tables_half", "tables_full", "computed", "computed_linear")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("few_tokens", [True, False], ids=["decode", "lean"])
 def test_dtypes_and_angle_sources(rng, monkeypatch, few_tokens, dtype, source, interleaved):
-    from cupyrope import launch
+    from cupyrope.cuda import launch
 
     # T tokens are "few" (the decode kernel) or not (the lean kernel).
     monkeypatch.setattr(launch, "DECODE_MAX_TOKENS", T if few_tokens else T - 1)
@@ -277,10 +277,10 @@ def test_decode_lean_and_general_kernels(rng, monkeypatch, kernel, dtype, source
     """The common case runs the decode kernel with few tokens and the lean kernel with more; the
     general kernel, forced onto the same case, gives results within the same bounds (it is the
     one every other layout takes)."""
-    from cupyrope import launch
-    from cupyrope.kernels import angle_arithmetic
-    from cupyrope.plan import plan_rope
-    from cupyrope.recipes import recipes
+    from cupyrope.cuda import launch
+    from cupyrope.cuda.compiler import angle_arithmetic
+    from cupyrope.core.plan import plan_rope
+    from cupyrope.cuda.recipes import recipes
 
     # T tokens are "few" for the decode case, and many for the others.
     monkeypatch.setattr(launch, "DECODE_MAX_TOKENS", T if kernel == "decode" else T - 1)
@@ -329,8 +329,8 @@ DECODE_CASES = {
 @pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_decode_kernel_layouts(rng, case, inplace):
-    from cupyrope import launch
-    from cupyrope.recipes import recipes
+    from cupyrope.cuda import launch
+    from cupyrope.cuda.recipes import recipes
 
     t, hq, hk, d, dtype, source, interleaved, inverse, positions_dtype = DECODE_CASES[case]
     assert t <= launch.DECODE_MAX_TOKENS
@@ -342,8 +342,8 @@ def test_decode_kernel_layouts(rng, case, inplace):
                    inplace=inplace)
     (recipe,) = recipes.values()
     if "computed" in source:  # computed angles: where they pay (float64 angle arithmetic)
-        from cupyrope.kernels import angle_arithmetic
-        from cupyrope.plan import plan_rope
+        from cupyrope.cuda.compiler import angle_arithmetic
+        from cupyrope.core.plan import plan_rope
 
         assert t <= launch.DECODE_MAX_COMPUTED_TOKENS
         if not launch.computed_decode_pays(plan_rope(q), angle_arithmetic(recipe.device)):
@@ -785,17 +785,17 @@ def test_tensor_over_2p31_elements(rng):
 @pytest.fixture
 def compiled_specs(monkeypatch):
     """Forget every compiled kernel, then record each specialisation compiled from here on."""
-    from cupyrope import kernels
+    from cupyrope.cuda import compiler
 
     cr.clear_cache()
     compiled = []
-    real_compile = kernels._compile
+    real_compile = compiler._compile
 
     def counting_compile(spec, device_id, *args):
         compiled.append(spec)
         return real_compile(spec, device_id, *args)
 
-    monkeypatch.setattr(kernels, "_compile", counting_compile)
+    monkeypatch.setattr(compiler, "_compile", counting_compile)
     return compiled
 
 

@@ -18,7 +18,7 @@ import pytest
 
 import cupyrope as cr
 import float_float as ff
-from cupyrope import kernels
+from cupyrope.cuda import compiler
 from reference import exact_reduced_angles, reference_cos_sin_cache, reference_inv_freq, reference_rope
 from tolerances import assert_rope_close, max_abs_angle, np_dtype, unit_roundoff
 
@@ -57,7 +57,7 @@ def positions_to_2p24(rng, count: int) -> np.ndarray:
 @pytest.fixture(params=ARITHMETICS)
 def arithmetic(request, monkeypatch):
     """Kernels compiled with this angle arithmetic from here on (and forgotten afterwards)."""
-    monkeypatch.setenv(kernels.ANGLE_ARITHMETIC_ENV, request.param)
+    monkeypatch.setenv(compiler.ANGLE_ARITHMETIC_ENV, request.param)
     cr.clear_cache()
     yield request.param
     monkeypatch.undo()
@@ -66,7 +66,7 @@ def arithmetic(request, monkeypatch):
 
 def assert_compiled_with(arithmetic):
     """Every computed-angle kernel compiled since clear_cache used ``arithmetic``."""
-    used = {key[1] for key in kernels._compiled if key[1] is not None}
+    used = {key[1] for key in compiler._compiled if key[1] is not None}
     assert used == {arithmetic}, used
 
 
@@ -93,7 +93,7 @@ extern "C" __global__ void angle_probe(const long long* positions, const double*
 def probe(arithmetic, positions, inv_freq):
     """float32 (sin, cos) of every position * inv_freq from the device, as the int64 and the
     float64 position paths compute them: shape (4, n)."""
-    module = cp.RawModule(code=PROBE, options=kernels.compile_options(arithmetic))
+    module = cp.RawModule(code=PROBE, options=compiler.compile_options(arithmetic))
     function = module.get_function("angle_probe")
     n = len(positions)
     out = cp.empty(4 * n, dtype=cp.float32)
@@ -162,7 +162,7 @@ def test_device_sin_cos_within_bound(probe_points, arithmetic_name):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_computed_angles_to_2p24(rng, monkeypatch, arithmetic, dtype, interleaved, kernel):
-    from cupyrope import launch
+    from cupyrope.cuda import launch
 
     if kernel == "general":
         monkeypatch.setattr(launch, "lean_kernel_applies", lambda *args, **kwargs: False)
@@ -247,8 +247,8 @@ def test_cache_rows_to_2p24(rng, cache_2p24, dtype, interleaved):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_token_tables_near_2p24(rng, dtype):
-    """Per-token tables from cupyrope.frequencies.cos_sin_table at positions near +-2^24."""
-    from cupyrope.frequencies import cos_sin_table
+    """Per-token tables from cupyrope.core.frequencies.cos_sin_table at positions near +-2^24."""
+    from cupyrope.core.frequencies import cos_sin_table
 
     t, d = 600, 128
     positions = np.concatenate([np.arange(TWO_24 - 200, TWO_24 + 1), -np.arange(TWO_24 - 199, TWO_24 + 1),

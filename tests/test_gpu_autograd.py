@@ -172,7 +172,7 @@ def test_inplace_autograd_on_projection_views(torch, dtype, rng):
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 @pytest.mark.parametrize("source", ["cache", "tables_full", "computed_linear"])
 def test_opcheck_cuda(torch, dtype, source, rng):
-    from cupyrope.scaling import scaling_op_args
+    from cupyrope.core.scaling import scaling_op_args
 
     T, D = 9, 64
     lib, _, _, _ = angle_call(source, (T,), D, interleaved=False, rng=rng, device=DEVICE,

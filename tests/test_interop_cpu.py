@@ -289,7 +289,8 @@ def test_wrapper_tensors_are_left_to_the_full_path():
     torch = pytest.importorskip("torch")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from cupyrope import arrays, recipes
+    from cupyrope.core import arrays
+    from cupyrope.cuda import recipes
 
     with FakeTensorMode():
         q = torch.empty(2, 4, 8, device="cuda")

@@ -1,4 +1,4 @@
-"""The jax.numpy lowering of traced calls on XLA's CPU (cupyrope/jax_lowering.py) against the
+"""The jax.numpy lowering of traced calls on XLA's CPU (cupyrope/frontends/jax/lowering.py) against the
 float64 reference: every angle source, both pairings, partial rotary, GQA, inverse, M-RoPE, cache
 rows outside the cache (NaN), every dtype (float64 under x64); computed angles with x64 off at
 positions up to 2^24 within the accuracy contract; and jax.export round trips."""

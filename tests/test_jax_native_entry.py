@@ -1,4 +1,4 @@
-"""The entries of XLA's native kernel call (cupyrope.jax_native), planned and compiled without a GPU.
+"""The entries of XLA's native kernel call (cupyrope.frontends.jax.native), planned and compiled without a GPU.
 
 For each kind of launch the planner picks (decode, lean and general rotation, computed angles, the
 fused lean and general kernels, fp8 outputs, the cache write) the native launch is planned from
@@ -18,9 +18,9 @@ jax = pytest.importorskip("jax")
 
 from test_kernel_compile import _FRAME_RE, _nvrtc_or_skip  # noqa: E402
 
-from cupyrope import jax_native  # noqa: E402
-from cupyrope.fusion import plan_fused  # noqa: E402
-from cupyrope.plan import plan_rope  # noqa: E402
+from cupyrope.frontends.jax import native as jax_native  # noqa: E402
+from cupyrope.core.fused_plan import plan_fused  # noqa: E402
+from cupyrope.core.plan import plan_rope  # noqa: E402
 
 pytestmark = pytest.mark.nvrtc
 

@@ -1,4 +1,4 @@
-"""apply_rope under jax.jit on an NVIDIA GPU: one native XLA kernel call (cupyrope.jax_native).
+"""apply_rope under jax.jit on an NVIDIA GPU: one native XLA kernel call (cupyrope.frontends.jax.native).
 
 Every case compares the jitted result with the float64 reference; the compiled module must hold
 the kernel call and no Python callback. grad, vmap (one call for the batch) and a jax.export round
@@ -40,7 +40,7 @@ def device():
         devices = jax.devices("cuda")
     except Exception as exc:  # no CUDA backend in this jaxlib
         pytest.skip(f"JAX has no CUDA backend ({type(exc).__name__}: {exc})")
-    from cupyrope import jax_native
+    from cupyrope.frontends.jax import native as jax_native
 
     reason = jax_native.unavailable_reason()
     if reason is not None:

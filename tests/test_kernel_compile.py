@@ -1,7 +1,7 @@
 """Every kernel specialisation compiles with NVRTC, without a GPU.
 
 NVRTC (the pip wheel ``nvidia-cuda-nvrtc``) and ptxas run on the host, so a machine with no GPU
-can still prove that each entry of ``cupyrope.kernels.ALL_SPECIALISATIONS`` (the rope and the
+can still prove that each entry of ``cupyrope.cuda.compiler.ALL_SPECIALISATIONS`` (the rope and the
 fused kernels) instantiates, lowers to a
 kernel symbol and assembles for Ampere (sm_80) and Hopper (sm_90) without register spills. This
 catches template errors in the ``.cuh`` headers long before a GPU run would.
@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import pytest
 
-from cupyrope import kernels
-from cupyrope.abi import AngleSource
+from cupyrope.cuda import compiler
+from cupyrope.core.abi import AngleSource
 
 pytestmark = pytest.mark.nvrtc
 
@@ -74,7 +74,7 @@ class CompiledProgram:
 PARTS = 6  # programs per architecture, every specialisation (float64 angles, the default)
 # The specialisations that float-float angles change, compiled a second time that way.
 FLOAT_FLOAT_SPECIALISATIONS = tuple(
-    spec for spec in kernels.ALL_SPECIALISATIONS
+    spec for spec in compiler.ALL_SPECIALISATIONS
     if spec.source == AngleSource.COMPUTED and spec.dtype != "float64"
 )
 FLOAT_FLOAT_PARTS = 2
@@ -91,15 +91,15 @@ def _build_id(build) -> str:
 def compiled(request) -> CompiledProgram:
     nvrtc = _nvrtc_or_skip()
     arch, arithmetic, part = request.param
-    source, _ = kernels._read_sources()
+    source, _ = compiler._read_sources()
     if arithmetic == "float64":
-        specs, options = kernels.ALL_SPECIALISATIONS[part::PARTS], kernels.compile_options()
+        specs, options = compiler.ALL_SPECIALISATIONS[part::PARTS], compiler.compile_options()
     else:
         specs = FLOAT_FLOAT_SPECIALISATIONS[part::FLOAT_FLOAT_PARTS]
-        options = kernels.compile_options(arithmetic)
+        options = compiler.compile_options(arithmetic)
     expressions = [spec.name_expression for spec in specs]
 
-    program = nvrtc.createProgram(source, kernels.SOURCE_FILE, [], [])
+    program = nvrtc.createProgram(source, compiler.SOURCE_FILE, [], [])
     try:
         for expression in expressions:
             nvrtc.addNameExpression(program, expression)
@@ -128,8 +128,8 @@ def compiled(request) -> CompiledProgram:
 
 def test_specialisation_table_is_not_empty():
     # A vacuous table would make the compile tests pass without compiling anything.
-    assert len(kernels.SPECIALISATIONS) > 0 and len(kernels.FUSED_SPECIALISATIONS) > 0
-    expressions = [spec.name_expression for spec in kernels.ALL_SPECIALISATIONS]
+    assert len(compiler.SPECIALISATIONS) > 0 and len(compiler.FUSED_SPECIALISATIONS) > 0
+    expressions = [spec.name_expression for spec in compiler.ALL_SPECIALISATIONS]
     assert len(set(expressions)) == len(expressions), "duplicate name expressions"
 
 
@@ -181,44 +181,44 @@ def test_no_register_spills(compiled):
 
 
 class SourceCopy(NamedTuple):
-    folder: Path  # writable copy of kernels_cu/ that cupyrope.kernels now reads
+    folder: Path  # writable copy of kernels_cu/ that cupyrope.cuda.compiler now reads
     original_fingerprint: str  # fingerprint of the real kernels_cu/
 
 
 @pytest.fixture
 def source_copy(monkeypatch, tmp_path) -> SourceCopy:
-    """Point cupyrope.kernels at a writable copy of kernels_cu/; restore the real one afterwards."""
-    kernels._read_sources.cache_clear()
-    _, original_fingerprint = kernels._read_sources()
+    """Point cupyrope.cuda.compiler at a writable copy of kernels_cu/; restore the real one afterwards."""
+    compiler._read_sources.cache_clear()
+    _, original_fingerprint = compiler._read_sources()
     folder = tmp_path / "kernels_cu"
-    shutil.copytree(kernels.kernel_source_dir(), folder)
-    monkeypatch.setattr(kernels, "kernel_source_dir", lambda: folder)
-    kernels._read_sources.cache_clear()  # _read_sources memoises; forget the real folder's result
+    shutil.copytree(compiler.kernel_source_dir(), folder)
+    monkeypatch.setattr(compiler, "kernel_source_dir", lambda: folder)
+    compiler._read_sources.cache_clear()  # _read_sources memoises; forget the real folder's result
     yield SourceCopy(folder, original_fingerprint)
     monkeypatch.undo()
-    kernels._read_sources.cache_clear()  # and forget the copy's, so later tests see the real one
+    compiler._read_sources.cache_clear()  # and forget the copy's, so later tests see the real one
 
 
 def test_fingerprint_is_stable_for_identical_sources(source_copy):
     # The same files in another folder give the same fingerprint: the key depends on the
     # contents only, so an unchanged install keeps hitting CuPy's disk cache.
-    assert kernels.source_fingerprint() == source_copy.original_fingerprint
+    assert compiler.source_fingerprint() == source_copy.original_fingerprint
 
 
 def test_fingerprint_changes_when_a_header_changes(source_copy):
     # The fingerprint goes into the compile options and so into CuPy's disk-cache key: if editing
     # a header left it unchanged, a stale binary would be loaded instead of recompiling.
-    source_before, fingerprint_before = kernels._read_sources()
-    options_before = kernels.compile_options()
+    source_before, fingerprint_before = compiler._read_sources()
+    options_before = compiler.compile_options()
 
     header = sorted(source_copy.folder.glob("*.cuh"))[0]
     header.write_text(header.read_text() + "\n// an edit that changes no code\n")
-    kernels._read_sources.cache_clear()
-    source_after, fingerprint_after = kernels._read_sources()
+    compiler._read_sources.cache_clear()
+    source_after, fingerprint_after = compiler._read_sources()
 
     assert source_after == source_before, "only the header changed, rope.cu must read the same"
     assert fingerprint_after != fingerprint_before, f"editing {header.name} kept the fingerprint"
-    assert kernels.compile_options() != options_before, "compile options ignore the fingerprint"
+    assert compiler.compile_options() != options_before, "compile options ignore the fingerprint"
 
 
 # PTX instructions that touch float64 values without computing in FP64: loads, stores and moves,

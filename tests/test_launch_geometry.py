@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import cupyrope as cr
-from cupyrope import launch
-from cupyrope.abi import access_layout
-from cupyrope.plan import plan_rope
+from cupyrope.cuda import launch
+from cupyrope.core.abi import access_layout
+from cupyrope.core.plan import plan_rope
 
 
 @pytest.fixture(autouse=True)
@@ -104,8 +104,8 @@ def test_lean_fused_kernel_takes_whole_rotated_heads_only():
     assert not launch.fused_lean_applies(wide, **args)  # 256 pairs / 4 = 64 chunks
 
 def test_shared_angle_bytes_only_for_lean_computed_angles():
-    from cupyrope.abi import AngleSource
-    from cupyrope.kernels import KernelSpec
+    from cupyrope.core.abi import AngleSource
+    from cupyrope.cuda.compiler import KernelSpec
 
     q = np.zeros((16, 4, 128), dtype=np.float32)
     plan = plan_rope(q, None, np.arange(16))

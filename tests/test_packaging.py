@@ -191,7 +191,7 @@ def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
     with zipfile.ZipFile(wheel.path) as archive:
         archive.extractall(site)
     probe = (
-        "import json, cupyrope, cupyrope.kernels as k\n"
+        "import json, cupyrope, cupyrope.cuda.compiler as k\n"
         "print(json.dumps([cupyrope.__file__, str(k.kernel_source_dir()), k._read_sources()[0],\n"
         "                  cupyrope.__version__]))\n"
     )

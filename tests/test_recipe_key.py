@@ -3,7 +3,7 @@ of an option or of an array's layout changes the key (no GPU needed: keys from f
 
 import pytest
 
-from cupyrope import recipes
+from cupyrope.cuda import recipes
 
 
 class _Fake:

@@ -266,7 +266,7 @@ def test_position_helpers_never_wrap():
 
 
 def test_a_failing_output_allocation_writes_nothing_and_the_next_call_works(backend, monkeypatch):
-    from cupyrope import arrays
+    from cupyrope.core import arrays
 
     rng = np.random.default_rng(2)
     host_q = rng.standard_normal((4, 2, 8)).astype(np.float32)
@@ -300,8 +300,8 @@ def test_a_failing_output_allocation_writes_nothing_and_the_next_call_works(back
 
 @pytest.mark.parametrize("shape", [(2**31 + 7, 1, 2), (1, 2**31 + 7, 2), (3, 2**30, 2), (2**20, 2**12, 2)])
 def test_launch_grid_stays_within_cuda_limits(shape, monkeypatch):
-    from cupyrope import launch
-    from cupyrope.plan import plan_rope
+    from cupyrope.cuda import launch
+    from cupyrope.core.plan import plan_rope
 
     monkeypatch.setattr(launch, "_multiprocessors", lambda device: 132)
     q = np.lib.stride_tricks.as_strided(np.zeros(2, np.float32), shape=shape, strides=(0, 0, 4))

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cupyrope as cr
-from cupyrope.recipes import recipes
+from cupyrope.cuda.recipes import recipes
 
 cp = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cupyrope as cr
-from cupyrope.scaling import Scaling, scaling_from_op_args, scaling_op_args
+from cupyrope.core.scaling import Scaling, scaling_from_op_args, scaling_op_args
 
 PACKAGE = Path(cr.__file__).resolve().parent
 
@@ -80,8 +80,8 @@ def test_no_import_cycle_lazy_imports_included():
 
 def test_routes_call_the_core_and_the_core_imports_no_route():
     graph = _graph()
-    routes = {"cupyrope.api", "cupyrope.torch_ops", "cupyrope.jax_ops"}
-    for route in ("cupyrope.torch_ops", "cupyrope.jax_ops"):
+    routes = {"cupyrope.api", "cupyrope.frontends.torch.ops", "cupyrope.frontends.jax.ops"}
+    for route in ("cupyrope.frontends.torch.ops", "cupyrope.frontends.jax.ops"):
         assert "cupyrope.execute" in graph[route]
         assert "cupyrope.api" not in graph[route]
     assert "cupyrope.execute" in graph["cupyrope.api"]
@@ -97,15 +97,16 @@ def test_routes_call_the_core_and_the_core_imports_no_route():
 
 
 def test_only_the_interop_boundary_imports_frameworks():
-    """torch, JAX and CuPy objects are handled in arrays.py; the routes (torch_ops with its
-    DTensor sharding rules in torch_sharding, jax_ops with its jax.numpy lowering in jax_lowering
-    and its native XLA call in jax_native), the torch adapters (compat) and the compile/launch
-    layer (kernels, launch, recipes, through arrays.cupy_module) are the only other places that
-    name a framework."""
-    allowed = {"arrays.py", "torch_ops.py", "torch_sharding.py", "jax_ops.py", "jax_lowering.py",
-               "jax_native.py", "api.py"}
-    for path in PACKAGE.glob("*.py"):
-        if path.name in allowed or path.name == "__main__.py":
+    """torch, JAX and CuPy objects are handled in core/arrays.py; the framework routes
+    (frontends/torch: the custom ops and their DTensor sharding rules; frontends/jax: the
+    primitives, the jax.numpy lowering and the native XLA call), the torch adapters (compat) and
+    the compile/launch layer (cuda/: compiler, launch, recipes, through arrays.cupy_module) are the
+    only other places that name a framework."""
+    allowed_dirs = {"frontends", "compat", "bench"}
+    allowed = {"core/arrays.py", "api.py", "__main__.py"}
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE)
+        if relative.as_posix() in allowed or relative.parts[0] in allowed_dirs:
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -116,7 +117,41 @@ def test_only_the_interop_boundary_imports_frameworks():
                 names = [node.module or ""]
             for name in names:
                 assert name.split(".")[0] not in ("torch", "jax", "jaxlib", "cupy"), (
-                    f"{path.name} imports {name}; framework objects belong in arrays.py")
+                    f"{relative} imports {name}; framework objects belong in core/arrays.py")
+
+
+LAYERS = ("core", "cuda", "execute", "frontends", "public")  # lowest first
+
+
+def _layer(module: str) -> str | None:
+    """The layer a module belongs to: its sub-package, or the public surface for the modules at
+    the top of the package (api, warmup, positions); None outside the layering (compat and bench
+    use the public API; __init__ re-exports)."""
+    parts = module.split(".")
+    if module == "cupyrope.execute":
+        return "execute"
+    if len(parts) > 2 and parts[1] in ("core", "cuda", "frontends"):
+        return parts[1]
+    if len(parts) == 2 and parts[1] not in ("compat", "bench"):
+        return "public"
+    return None
+
+
+def test_each_layer_imports_only_layers_below_it():
+    """The folders are the layers: core/ (framework-free host side) <- cuda/ (compile and launch)
+    <- execute <- frontends/ (torch and JAX routes) <- the public surface (api, warmup,
+    positions). Nothing imports upward; compat/ and bench/ sit on top and nothing imports them."""
+    graph = _graph()
+    for name, targets in graph.items():
+        mine = _layer(name)
+        for target in targets:
+            theirs = _layer(target)
+            assert target.split(".")[1] not in ("compat", "bench") or name.split(".")[1] in ("compat", "bench"), (
+                f"{name} imports {target}: the adapters and the benchmarks sit on top")
+            if mine is None or theirs is None or mine == theirs:
+                continue
+            assert LAYERS.index(theirs) < LAYERS.index(mine), (
+                f"{name} ({mine}) imports {target} ({theirs}), a layer above it")
 
 
 SCALINGS = [
@@ -150,10 +185,10 @@ def test_scaling_must_be_a_dict_with_string_keys():
 
 def test_plan_launch_without_cupy():
     """The launch spec of a call is decided from the plan alone (no CuPy, no GPU)."""
-    from cupyrope import launch
-    from cupyrope.abi import AngleSource
-    from cupyrope.arrays import describe
-    from cupyrope.plan import plan_rope
+    from cupyrope.cuda import launch
+    from cupyrope.core.abi import AngleSource
+    from cupyrope.core.arrays import describe
+    from cupyrope.core.plan import plan_rope
 
     q = np.zeros((70, 32, 128), np.float32)
     k = np.zeros((70, 8, 128), np.float32)
@@ -232,7 +267,7 @@ def test_the_library_never_imports_the_benchmark_package():
 
     probe = ("import sys, numpy as np, cupyrope as cr\n"
              "cr.apply_rope(np.ones((2, 1, 4), np.float32), positions=np.arange(2))\n"
-             "import cupyrope.compat, cupyrope.prepare\n"
+             "import cupyrope.compat, cupyrope.warmup\n"
              "print(sorted(m for m in sys.modules if m.startswith('cupyrope.bench')))\n")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -18,7 +18,7 @@ in [0, 131072) (JAX's default int), fp32 cos/sin cache ``[131072, 128]`` from
   angles rounded to float32 (an error of up to half an ulp of 131072 rad, 0.0039 rad, shows in the
   accuracy columns);
 - ``cupyrope-native``: :func:`cupyrope.apply_rope` with the cache, under ``jax.jit``: one native
-  XLA kernel call on NVIDIA GPUs (:mod:`cupyrope.jax_native`);
+  XLA kernel call on NVIDIA GPUs (:mod:`cupyrope.frontends.jax.native`);
 - ``cupyrope-callback``: the same call lowered while ``CUPYROPE_JAX_NATIVE=0``: the Python
   callback route. The variable is read when a function is lowered, so both of its compiled
   functions are lowered (``jax.jit(f).lower(...).compile()``) while it is set, and kept.
@@ -315,7 +315,7 @@ def _check_route(compiled, impl: str) -> None:
         return
     native = NATIVE_CALL_TARGET in compiled.as_text()
     if native != (impl == "cupyrope-native"):
-        from cupyrope import jax_native
+        from cupyrope.frontends.jax import native as jax_native
 
         raise Unavailable(f"{impl}: the compiled step {'has' if native else 'lacks'} the native "
                           f"kernel call ({jax_native.unavailable_reason() or 'no reason given'})")

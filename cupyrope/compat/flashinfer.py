@@ -27,7 +27,7 @@ import math
 import torch
 
 from ..api import apply_rope
-from ..validators import check_bool, check_real
+from ..core.validators import check_bool, check_real
 from .vllm import require_tensor
 
 WHERE = "rope_quantize_fp8"

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import FP8_DTYPES, dtype_name_of
-from ..validators import check_bool
+from ..core.dtypes import FP8_DTYPES, dtype_name_of
+from ..core.validators import check_bool
 from .vllm import (cache_kind, count, require_tensor, rotate_in_place, token_heads_view,
                    write_cache)
 

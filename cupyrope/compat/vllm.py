@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from ..api import apply_rope, rms_norm_rope, rope_and_cache
-from ..dtypes import FP8_DTYPES, dtype_name_of
-from ..recipes import call_key, recipes, replay
-from ..validators import check_bool, check_real, is_integer
+from ..core.dtypes import FP8_DTYPES, dtype_name_of
+from ..cuda.recipes import call_key, recipes, replay
+from ..core.validators import check_bool, check_real, is_integer
 
 # vLLM's kv_cache_dtype strings that a CUDA build accepts for reshape_and_cache_flash, and the
 # cache format each names (None: the cache holds key's own dtype, "auto"). vLLM reads "fp8" as

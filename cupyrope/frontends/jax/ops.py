@@ -4,7 +4,7 @@
 
 ``apply_rope`` and the fused ops send a call here when one of its array arguments is a JAX tracer:
 inside ``jax.grad`` / ``jax.vjp`` (a ``custom_vjp``), ``jax.jit`` and ``jax.vmap``. Calls on
-concrete JAX arrays outside any transformation keep the DLPack path of ``cupyrope.arrays``, except
+concrete JAX arrays outside any transformation keep the DLPack path of ``cupyrope.core.arrays``, except
 ``rope_and_cache``, which always comes here (see "The KV cache on JAX").
 
 How a traced call runs
@@ -15,14 +15,14 @@ Each op binds one JAX primitive: ``cupyrope_rope`` (apply_rope) or ``cupyrope_fu
 the whole call from the params and the operands' shapes. Each platform lowers them its own way:
 
 - XLA's CPU (and any platform without a rule of its own): the jax.numpy formulation of
-  :mod:`cupyrope.jax_lowering`, with the NumPy path's semantics (every angle source, M-RoPE, fused
+  :mod:`cupyrope.frontends.jax.lowering`, with the NumPy path's semantics (every angle source, M-RoPE, fused
   RMSNorm, fp8 stores, the paged-cache write). XLA compiles and fuses it like any jnp code, no
   Python runs per execution, and ``jax.export`` serialises it. Computed angles are float64 with
   ``jax_enable_x64`` and an exact fixed-point reduction in 32-bit integers without it (see that
   module). XLA may contract products into fused multiply-adds, so results can differ from the
   eager NumPy path's by an ulp (both within the accuracy contract).
 - "cuda": :func:`_gpu_lowering`: one native XLA kernel call of the CUDA kernel the eager planner
-  picks (:mod:`cupyrope.jax_native`, jaxlib's GPU kernel call with NVRTC's PTX): no Python runs
+  picks (:mod:`cupyrope.frontends.jax.native`, jaxlib's GPU kernel call with NVRTC's PTX): no Python runs
   per execution, XLA puts it in its command buffers, ``jax.export`` serialises it.
 - The callback route, a ``jax.experimental.buffer_callback`` (JAX >= 0.7): XLA hands a Python
   callback its own device buffers and compute stream, and the callback runs the CUDA kernel there
@@ -92,14 +92,15 @@ import numpy as np
 
 from jax.interpreters import mlir
 
-from . import execute, jax_lowering, jax_native
-from .arrays import cupy_module, cupy_view_of_buffer, describe, describe_traced, on_gpu_buffer
-from .dtypes import FP8_DTYPES, dtype_name, numpy_dtype
-from .fusion import plan_fused
-from .kernels import current_device
-from .plan import check_values, plan_rope
-from .scaling import Scaling
-from .validators import check_real
+from ... import execute
+from . import lowering as jax_lowering, native as jax_native
+from ...core.arrays import cupy_module, cupy_view_of_buffer, describe, describe_traced, on_gpu_buffer
+from ...core.dtypes import FP8_DTYPES, dtype_name, numpy_dtype
+from ...core.fused_plan import plan_fused
+from ...cuda.compiler import current_device
+from ...core.plan import check_values, plan_rope
+from ...core.scaling import Scaling
+from ...core.validators import check_real
 
 _ARGUMENTS = ("q", "k", "positions", "cos_sin_cache", "cos", "sin")
 _TABLES = ("cos_sin_cache", "cos", "sin")
@@ -688,7 +689,7 @@ def _plan_rotation(infos: dict, static: _Static, *, inplace: bool = False):
 
 
 def _rope_jnp(*operands, static: _Static, present: tuple[bool, ...]):
-    """cupyrope_rope as jax.numpy (:mod:`cupyrope.jax_lowering`), planned from the shapes."""
+    """cupyrope_rope as jax.numpy (:mod:`cupyrope.frontends.jax.lowering`), planned from the shapes."""
     named = _named_operands(present, operands)
     plan = _plan_rotation({name: describe_traced(x, name) for name, x in named.items()
                            if x is not None}, static)
@@ -705,7 +706,7 @@ def _rope_callback_outputs(*operands, static: _Static, present: tuple[bool, ...]
 
 
 def _fused_jnp(*arrays, fused: _Fused):
-    """cupyrope_fused as jax.numpy (:mod:`cupyrope.jax_lowering`), planned from the shapes."""
+    """cupyrope_fused as jax.numpy (:mod:`cupyrope.frontends.jax.lowering`), planned from the shapes."""
     named = dict(zip(fused.names, arrays))
     options = dict(fused.options)
     infos = {name: _planning_info(x, name, read=False) for name, x in named.items()}
@@ -745,7 +746,7 @@ def _gpu_lowering(kind: str, platform: str, ctx, *operands, **params):
     options, fp8 arrays as fp8); results q_out (k_out) then the new caches, which a lowering
     aliases to the input caches. Returns the results' IR values.
 
-    The rotation on NVIDIA GPUs is a native XLA kernel call (:mod:`cupyrope.jax_native`) where
+    The rotation on NVIDIA GPUs is a native XLA kernel call (:mod:`cupyrope.frontends.jax.native`) where
     this jaxlib offers one, and so are the fused ops; validate=True, ROCm, a jaxlib without the
     kernel call (warned once) and the cache write inside a per-element jax.vmap take the
     buffer_callback route, on XLA's buffers and stream. (The cache write's new caches are aliased

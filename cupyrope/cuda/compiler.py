@@ -26,9 +26,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .abi import AngleSource
-from .arrays import cupy_module
-from .dtypes import CUDA_TYPE_NAMES, FLOAT_DTYPES, dtype_name_of
+from ..core.abi import AngleSource
+from ..core.arrays import cupy_module
+from ..core.dtypes import CUDA_TYPE_NAMES, FLOAT_DTYPES, dtype_name_of
 
 SOURCE_FILE = "rope.cu"
 

@@ -12,7 +12,7 @@ from .abi import AngleSource
 from .arrays import host_view
 from .dtypes import compute_dtype, numpy_dtype
 from .frequencies import cos_sin_table
-from .fusion import FP8_MAX
+from .fused_plan import FP8_MAX
 from .mrope import MROPE_NONE, mrope_components
 from .plan import RopePlan
 

@@ -27,7 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 # The per-token and table arguments of every operator after q and k (ROTATION_SCHEMA in
-# cupyrope/torch_ops.py).
+# cupyrope/frontends/torch/ops.py).
 _TABLES = ("positions", "cos_sin_cache", "cos", "sin")
 
 

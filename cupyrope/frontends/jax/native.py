@@ -4,7 +4,7 @@ jaxlib ships a GPU custom call that launches a kernel given as PTX, with a grid 
 and scalar parameters (``jax._src.lib.gpu_triton``: ``TritonKernel``, ``TritonKernelCall``; the
 call target ``triton_kernel_call_ffi``, what Pallas and jax-triton lower to). :func:`lower_planned`
 lowers a traced call (the ``cupyrope_rope`` / ``cupyrope_fused`` primitives of
-:mod:`cupyrope.jax_ops`) to that call: the launch is planned while lowering, from the shapes and
+:mod:`cupyrope.frontends.jax.ops`) to that call: the launch is planned while lowering, from the shapes and
 dtypes XLA will pass (``plan_rope`` / ``plan_fused`` and ``launch.plan_launch``, as for an eager
 call), and the kernel that plan picks is
 compiled by NVRTC to PTX for the device's architecture. When the compiled function runs, XLA
@@ -33,7 +33,7 @@ architecture and, through the driver's PTX JIT, on newer ones.
 Availability
 ------------
 :func:`unavailable_reason` says why the call cannot be used (a jaxlib older than 0.11, one
-without ``gpu_triton`` or without its CUDA plugin, or NVRTC missing); :mod:`cupyrope.jax_ops` then
+without ``gpu_triton`` or without its CUDA plugin, or NVRTC missing); :mod:`cupyrope.frontends.jax.ops` then
 keeps the callback route and warns once. ``CUPYROPE_JAX_NATIVE=0`` asks for the callback route.
 """
 
@@ -47,9 +47,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import kernels, launch
-from .abi import AngleSource
-from .arrays import ArrayInfo, cupy_module, describe_traced
+from ...cuda import compiler, launch
+from ...core.abi import AngleSource
+from ...core.arrays import ArrayInfo, cupy_module, describe_traced
 
 NATIVE_ENV = "CUPYROPE_JAX_NATIVE"
 # jaxlib 0.11 (jax-cuda13-plugin 0.11.2 measured): TritonKernel(name, num_warps, num_ctas,
@@ -121,11 +121,11 @@ def lower_planned(ctx, operands, names: tuple[str, ...], plan):
     device = plan.device
     if plan.fusion is not None:
         launch.check_fp8_support(plan)
-    arithmetic = (kernels.angle_arithmetic(device) if plan.source == AngleSource.COMPUTED
+    arithmetic = (compiler.angle_arithmetic(device) if plan.source == AngleSource.COMPUTED
                   else None)
     native = plan_native_launch(
         plan, ctx.avals_out, names, angle_arithmetic=arithmetic,
-        num_regs=lambda kernel_spec: kernels.get_kernel(kernel_spec, device).num_regs,
+        num_regs=lambda kernel_spec: compiler.get_kernel(kernel_spec, device).num_regs,
         multiprocessors=launch._multiprocessors(device))
     spec, block, buffers = native.spec, native.block, native.buffers
     nodes = list(operands)
@@ -322,7 +322,7 @@ def _entry_source(spec, name: str, buffers: tuple) -> str:
     statements = "\n  ".join(lines)
     return f"""#include "rope.cu"
 
-// XLA's entry (cupyrope/jax_native.py): XLA's buffers, the cache's sin offset, the struct words.
+// XLA's entry (cupyrope/frontends/jax/native.py): XLA's buffers, the cache's sin offset, the struct words.
 extern "C" __global__ void __launch_bounds__({bounds}) {name}(
     {separator.join(arguments)}) {{
   {statements}
@@ -338,7 +338,7 @@ def _kernel_call_kernel(spec, block, shared_bytes: int, device: int, buffers: tu
     """jaxlib's TritonKernel for one launch: the entry compiled to PTX for ``device``."""
     capability = cupy_module().cuda.Device(device).compute_capability  # e.g. "90"
     ptx = entry_ptx(spec, block, buffers, capability,
-                    kernels.kernel_arithmetic(spec.kernel, device))
+                    compiler.kernel_arithmetic(spec.kernel, device))
     threads = block[0] * block[1] * block[2]
     return _gpu_triton().TritonKernel(kernel_name(spec, block, buffers), threads // 32, 1,
                                       shared_bytes, ptx, "", int(capability))
@@ -349,7 +349,7 @@ def entry_ptx(spec, block, buffers: tuple, capability: str, arithmetic: str | No
     with ``block`` (whole warps) and XLA's ``buffers``, for compute capability ``capability``
     ("90"), memoised; needs NVRTC, not a GPU."""
     name = kernel_name(spec, block, buffers)
-    key = (name, capability, arithmetic, kernels.source_fingerprint())
+    key = (name, capability, arithmetic, compiler.source_fingerprint())
     with _ptx_lock:
         ptx = _ptx_cache.get(key)
         if ptx is None:
@@ -362,7 +362,7 @@ def entry_ptx(spec, block, buffers: tuple, capability: str, arithmetic: str | No
 def entry_program(spec, block, buffers: tuple, arithmetic: str | None) -> tuple[str, tuple]:
     """(source, NVRTC options but the architecture) of a launch's entry: the block shape it maps
     flat thread indices onto is compiled in."""
-    options = kernels.compile_options(arithmetic) + (
+    options = compiler.compile_options(arithmetic) + (
         f"-DCUPYROPE_FLAT_BLOCK_X={block[0]}", f"-DCUPYROPE_FLAT_BLOCK_Y={block[1]}",
         f"-DCUPYROPE_FLAT_BLOCK_Z={block[2]}")
     return _entry_source(spec, kernel_name(spec, block, buffers), buffers), options

@@ -22,7 +22,7 @@ options, which every operator takes in the same order and encoding::
     Out of place: new contiguous ``q_out`` and ``k_out`` (an empty placeholder of shape ``(0,)``
     when k is None: custom ops cannot return None). A dict is not an operator argument: the
     Hugging Face rope_scaling dict travels as a text (``scaling``) and its numbers
-    (``scaling_numbers``), see :func:`cupyrope.scaling.scaling_op_args`. Differentiable in q and k.
+    (``scaling_numbers``), see :func:`cupyrope.core.scaling.scaling_op_args`. Differentiable in q and k.
 ``apply_rope_(Tensor(a!) q, Tensor(b!)? k, ROTATION, bool validate) -> ()``
     In place (a mutating op: torch.compile functionalises it and re-inplaces it).
 ``rms_norm_rope(Tensor q, Tensor? k, ROTATION, NORM, FP8, bool validate) -> (Tensor, Tensor)``
@@ -86,11 +86,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import execute
-from .fusion import LAYOUTS, fp8_name
-from .plan import plan_rope
-from .scaling import scaling_from_op_args, scaling_op_args
-from .validators import check_bool, check_int, check_real
+from ... import execute
+from ...core.fused_plan import LAYOUTS, fp8_name
+from ...core.plan import plan_rope
+from ...core.scaling import scaling_from_op_args, scaling_op_args
+from ...core.validators import check_bool, check_int, check_real
 
 NAMESPACE = "cupyrope"
 _HAS_CUSTOM_OPS = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_fake")
@@ -134,12 +134,12 @@ def is_distributed(*arrays) -> bool:
 
 @torch.compiler.assume_constant_result
 def _sharding_rules_ready() -> bool:
-    """Register the operators' DTensor sharding rules (cupyrope.torch_sharding) once DTensor is
+    """Register the operators' DTensor sharding rules (cupyrope.frontends.torch.sharding) once DTensor is
     imported; every entry into the operators asks first. Run as a constant while torch.compile
     traces, so a compiled function whose first call sees DTensors has the rules too."""
     if "torch.distributed.tensor" not in sys.modules:
         return False
-    from . import torch_sharding
+    from . import sharding as torch_sharding
 
     torch_sharding.register()
     return True

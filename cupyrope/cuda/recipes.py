@@ -1,7 +1,7 @@
 """Repeat calls: a launch reduced to filling in data pointers.
 
 A :class:`LaunchRecipe` is everything about a kernel launch except the data pointers. The first GPU
-call of a given layout plans it in full (``cupyrope.plan``, ``cupyrope.launch``) and keeps the
+call of a given layout plans it in full (``cupyrope.core.plan``, ``cupyrope.cuda.launch``) and keeps the
 recipe here, keyed on everything it depends on except the pointers: array types, shapes, strides,
 dtypes, devices and pointer alignment, and the options. A repeated call with that key skips
 argument checking and planning (the checks passed for exactly this metadata before) and only
@@ -15,11 +15,11 @@ import ctypes
 import struct
 import threading
 
-from .abi import DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, PARAMS_DTYPE
-from .arrays import (GPU_KINDS, bump_versions, cupy_module, current_stream, gpu_array_key,
+from ..core.abi import DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, PARAMS_DTYPE
+from ..core.arrays import (GPU_KINDS, bump_versions, cupy_module, current_stream, gpu_array_key,
                      inference_mode_enabled, new_gpu_outputs)
 from .dependent_launch import DependentLauncher
-from .scaling import exact_key
+from ..core.scaling import exact_key
 
 _ArgumentPointers = ctypes.c_void_p * 1
 # The seven data pointers lead the struct, in this order: one pack_into writes them all.
@@ -77,7 +77,7 @@ class LaunchRecipe:
         self._runtime, self._driver = cupy.cuda.runtime, cupy.cuda.driver
         # cuLaunchKernel's arguments before the stream, in its order, gathered once.
         self._head = (function_ptr, *grid, 1, *block, shared_bytes)
-        # A programmatic dependent launch (cupyrope.dependent_launch) instead, where asked.
+        # A programmatic dependent launch (cupyrope.cuda.dependent_launch) instead, where asked.
         self._dependent = (DependentLauncher(function_ptr, grid, block, shared_bytes)
                            if dependent else None)
 

@@ -1,8 +1,8 @@
 """The jax.numpy formulation of cupyrope's ops: what a traced call becomes on XLA's CPU (and on any
 platform without a native lowering), with the semantics of the NumPy path (``numpy_path.py``).
 
-:mod:`cupyrope.jax_ops` lowers its primitives through these functions (``mlir.lower_fun``): each
-takes the checked plan of the call (a :class:`~cupyrope.plan.RopePlan` of the traced shapes, with
+:mod:`cupyrope.frontends.jax.ops` lowers its primitives through these functions (``mlir.lower_fun``): each
+takes the checked plan of the call (a :class:`~cupyrope.core.plan.RopePlan` of the traced shapes, with
 the host's float64 ``inv_freq``) and the arrays, and returns the outputs as JAX values.
 
 Angles
@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .abi import AngleSource
-from .dtypes import compute_dtype, numpy_dtype
-from .fusion import FP8_MAX
-from .mrope import MROPE_NONE, mrope_components
-from .plan import RopePlan
+from ...core.abi import AngleSource
+from ...core.dtypes import compute_dtype, numpy_dtype
+from ...core.fused_plan import FP8_MAX
+from ...core.mrope import MROPE_NONE, mrope_components
+from ...core.plan import RopePlan
 
 # floor(2^192 / (2 pi)): 1 / (2 pi) as a 192-bit binary fraction.
 _INV_TWO_PI_192 = 0x28BE60DB9391054A7F09D5F47D4D377036D8A5664F10E410

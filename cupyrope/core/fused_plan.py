@@ -287,7 +287,7 @@ def check_slot_values(plan: FusionPlan) -> None:
 
 
 def plan_fused(where: str, q, k, positions, *, rope: dict, fusion: dict, validate: bool) -> RopePlan:
-    """The plan of a fused call: the rotation's checks (:func:`cupyrope.plan.plan_rope`), then the
+    """The plan of a fused call: the rotation's checks (:func:`cupyrope.core.plan.plan_rope`), then the
     fused part's, then the memory each written array may not share."""
     if fusion.get("out_dtype") is not None and rope.get("inplace"):
         raise ValueError(f"{where}: an fp8 out_dtype needs new outputs: pass inplace=False")

@@ -19,7 +19,7 @@ import ctypes
 import functools
 import sys
 
-from .arrays import cupy_module
+from ..core.arrays import cupy_module
 
 # CUlaunchAttributeID CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h).
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6

@@ -53,7 +53,7 @@ class RopePlan:
     mrope_mode: int = MROPE_NONE
     mrope_sections: tuple[int, int, int] | None = None
     positions_component_stride: int = 0
-    # The fused ops (cupyrope.fusion): RMSNorm, fp8 outputs, the KV-cache write; None for a rotation.
+    # The fused ops (cupyrope.core.fused_plan): RMSNorm, fp8 outputs, the KV-cache write; None for a rotation.
     fusion: object | None = None
 
     @property

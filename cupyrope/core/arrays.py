@@ -150,7 +150,7 @@ def describe(x, name: str) -> ArrayInfo:
     """
     if isinstance(x, np.ndarray):
         return _from_numpy(x, name)
-    if isinstance(x, ArrayInfo):  # already described (a traced JAX array: cupyrope.jax_ops)
+    if isinstance(x, ArrayInfo):  # already described (a traced JAX array: cupyrope.frontends.jax.ops)
         return x
     module = _module_of(x)
     if module == "torch":

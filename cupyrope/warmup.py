@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from . import kernels
-from .abi import AngleSource
-from .arrays import require_gpu
-from .launch import device_constants
-from .schedules import DEFAULT_THETA, compute_frequencies
+from .cuda import compiler
+from .core.abi import AngleSource
+from .core.arrays import require_gpu
+from .cuda.launch import device_constants
+from .core.schedules import DEFAULT_THETA, compute_frequencies
 
 
 def warmup(dtypes: Iterable[Any] = ("bfloat16", "float16", "float32"), *,
@@ -55,10 +55,10 @@ def warmup(dtypes: Iterable[Any] = ("bfloat16", "float16", "float32"), *,
         inv_freq, _ = compute_frequencies(rotary_dim, theta=DEFAULT_THETA if theta is None else theta,
                                           scaling=scaling, seq_len=seq_len, where="warmup")
     require_gpu("warmup")
-    count = kernels.warmup(dtypes, table_dtypes=table_dtypes, sources=sources,
+    count = compiler.warmup(dtypes, table_dtypes=table_dtypes, sources=sources,
                            interleaved=interleaved, vector=vector, wide_index=wide_index,
                            device=device)
     if inv_freq is not None:
-        device_id = kernels.current_device() if device is None else int(device)
+        device_id = compiler.current_device() if device is None else int(device)
         device_constants.inv_freq(device_id, inv_freq)
     return count

@@ -18,14 +18,14 @@ from collections.abc import Callable
 import numpy as np
 
 from . import dependent_launch
-from .abi import (DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, MAX_TOKEN_DIMS, PARAMS_DTYPE,
+from ..core.abi import (DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, MAX_TOKEN_DIMS, PARAMS_DTYPE,
                   THREADS_PER_BLOCK, AngleSource, StoreFormat, WeightDtype, access_layout)
-from .arrays import ArrayInfo, cupy_module, stream_is_capturing, upload
-from .dtypes import ITEMSIZE
-from .fusion import STORE_FORMATS
-from .kernels import KernelSpec, get_kernel, is_compiled
-from .kernels import angle_arithmetic as device_angle_arithmetic
-from .plan import RopePlan
+from ..core.arrays import ArrayInfo, cupy_module, stream_is_capturing, upload
+from ..core.dtypes import ITEMSIZE
+from ..core.fused_plan import STORE_FORMATS
+from .compiler import KernelSpec, get_kernel, is_compiled
+from .compiler import angle_arithmetic as device_angle_arithmetic
+from ..core.plan import RopePlan
 from .recipes import LaunchRecipe
 
 # CUDA's grid limits (every GPU since compute capability 3.0).
@@ -101,7 +101,7 @@ DECODE_MAX_TOKENS = 2048
 
 
 # Launches of at most DECODE_MAX_TOKENS tokens on the decode or lean kernels (fused ones too) are
-# programmatic dependent launches where the device supports them (cupyrope.dependent_launch): they
+# programmatic dependent launches where the device supports them (cupyrope.cuda.dependent_launch): they
 # are dispatched while the previous kernel drains, and wait for it before touching memory. H100,
 # graph of 20 calls, cache, us (decode kernel without -> with): T = 1 1.76 -> 1.20, 32 1.94 -> 1.32,
 # 512 3.79 -> 3.68, 2048 13.27 -> 12.24. Larger launches gain nothing and would let the next
@@ -149,7 +149,7 @@ DECODE_MAX_COMPUTED_TOKENS = 512
 def computed_decode_pays(plan: RopePlan, angle_arithmetic: str | None) -> bool:
     """Whether computed angles are faster on the decode kernel than on the lean one (above):
     few tokens, float16 / bfloat16 / float32 q and k, and float64 angle arithmetic (the
-    device's, ``cupyrope.kernels.angle_arithmetic``)."""
+    device's, ``cupyrope.cuda.compiler.angle_arithmetic``)."""
     return (plan.num_tokens <= DECODE_MAX_COMPUTED_TOKENS and plan.q.dtype != "float64"
             and angle_arithmetic == "float64")
 
@@ -292,7 +292,7 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
     ``inv_freq_ptr`` is the device copy of ``plan.inv_freq`` (computed angles), ``num_regs`` gives
     the registers a specialisation uses (the geometry sizes blocks by it), ``multiprocessors``
     is the device's SM count and ``angle_arithmetic`` the device's computed-angle arithmetic
-    (``cupyrope.kernels.angle_arithmetic``; None: unknown, computed angles stay on the lean
+    (``cupyrope.cuda.compiler.angle_arithmetic``; None: unknown, computed angles stay on the lean
     kernel).
     """
     q_out = outputs[0]

@@ -1,0 +1,1 @@
+"""torch.library custom ops (autograd, torch.compile, CUDA graphs) and DTensor sharding rules."""
