@@ -121,11 +121,11 @@ def _demo(args) -> int:
 
         xp = cupy
         device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"]
-        where = f"GPU ({device.decode() if isinstance(device, bytes) else device})"
+        op_name = f"GPU ({device.decode() if isinstance(device, bytes) else device})"
     else:
         xp = np
-        where = "CPU (NumPy path; no usable CUDA GPU found)" if not args.cpu else "CPU (NumPy path)"
-    print(f"cupyrope {cr.__version__} on {where}")
+        op_name = "CPU (NumPy path; no usable CUDA GPU found)" if not args.cpu else "CPU (NumPy path)"
+    print(f"cupyrope {cr.__version__} on {op_name}")
     print(f"q [{T}, {Hq}, {D}], k [{T}, {Hk}, {D}] {args.dtype}, NeoX, random positions in "
           f"[0, {max_position}), theta={theta:g}\n")
 

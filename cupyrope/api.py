@@ -179,7 +179,7 @@ def _rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_d
                 seq_len=seq_len)
 
 
-def _fused_route(where, q, k, positions, rope, fusion):
+def _fused_route(op_name, q, k, positions, rope, fusion):
     """The module whose ``run_fused`` must take a fused call, or None for the array path: calls
     traced by torch.compile, torch tensors that require grad and DTensors go to
     ``cupyrope.frontends.torch.ops``, JAX

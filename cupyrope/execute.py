@@ -125,21 +125,21 @@ def clear() -> None:
     recipes.clear()
 
 
-def run_fused(where: str, q, k, positions, *, rope: dict, fusion: dict, validate: bool,
+def run_fused(op_name: str, q, k, positions, *, rope: dict, fusion: dict, validate: bool,
               router=None):
     """A fused op on arrays (:func:`cupyrope.rms_norm_rope`, :func:`cupyrope.rope_and_cache`,
     ``apply_rope(out_dtype=...)``): the plan, new outputs (fp8 when asked), one fused launch on
     the GPU or the NumPy path on the host. Returns the outputs as :func:`run` does, then the
-    caches (written in place) when the call writes them. ``router(where, q, k, positions, rope,
+    caches (written in place) when the call writes them. ``router(op_name, q, k, positions, rope,
     fusion)`` returns the module whose ``run_fused`` must take the call instead (autograd,
     tracing), or None."""
     if router is not None:
-        route = router(where, q, k, positions, rope, fusion)
+        route = router(op_name, q, k, positions, rope, fusion)
         if route is not None:
-            return route.run_fused(where, q, k, positions, rope=rope, fusion=fusion,
+            return route.run_fused(op_name, q, k, positions, rope=rope, fusion=fusion,
                                    validate=validate)
     # The repeat-call path, after the router (autograd and tracing never reach it).
-    key = None if validate else fused_call_key(where, q, k, positions, rope, fusion)
+    key = None if validate else fused_call_key(op_name, q, k, positions, rope, fusion)
     caches = (fusion["k_cache"], fusion["v_cache"]) if "k_cache" in fusion else None
     if key is not None:
         recipe = recipes.get(key[0])
@@ -148,7 +148,7 @@ def run_fused(where: str, q, k, positions, *, rope: dict, fusion: dict, validate
             if result is not None:
                 return result
 
-    plan = plan_fused(where, q, k, positions, rope=rope, fusion=fusion, validate=validate)
+    plan = plan_fused(op_name, q, k, positions, rope=rope, fusion=fusion, validate=validate)
     f = plan.fusion
     inputs, natives, outputs = _outputs(plan, f.out_dtype)
     recipe = rotate(plan, outputs)

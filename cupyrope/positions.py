@@ -72,11 +72,11 @@ def varlen_positions(cu_seqlens: Any, offsets: Any = None) -> Any:
 TE_FORMATS = ("sbhd", "bshd", "thd")
 
 
-def _check_cp(cp_size, cp_rank, where: str) -> tuple[int, int]:
-    cp_size = check_int(cp_size, "cp_size", where, minimum=1)
-    cp_rank = check_int(cp_rank, "cp_rank", where, minimum=0)
+def _check_cp(cp_size, cp_rank, op_name: str) -> tuple[int, int]:
+    cp_size = check_int(cp_size, "cp_size", op_name, minimum=1)
+    cp_rank = check_int(cp_rank, "cp_rank", op_name, minimum=0)
     if cp_rank >= cp_size:
-        raise ValueError(f"{where}: cp_rank must be < cp_size ({cp_size}), got {cp_rank}")
+        raise ValueError(f"{op_name}: cp_rank must be < cp_size ({cp_size}), got {cp_rank}")
     return cp_size, cp_rank
 
 
@@ -89,10 +89,10 @@ def _widened_if_needed(positions: np.ndarray, dtype: str) -> np.ndarray:
     return positions.astype(dtype)
 
 
-def _host_ints(x, name: str, where: str):
+def _host_ints(x, name: str, op_name: str):
     info = describe(x, name)
     if info.dtype not in ("int32", "int64"):
-        raise TypeError(f"{where}: {name} must be int32 or int64, got {info.dtype}")
+        raise TypeError(f"{op_name}: {name} must be int32 or int64, got {info.dtype}")
     return info, to_host(info).astype(np.int64)
 
 
@@ -153,25 +153,25 @@ def context_parallel_positions(cu_seqlens: Any, cp_size: int, cp_rank: int, *,
     >>> context_parallel_positions(np.array([0, 8]), 2, 1).tolist()
     [2, 3, 4, 5]
     """
-    where = "context_parallel_positions"
-    cp_size, cp_rank = _check_cp(cp_size, cp_rank, where)
-    info, bounds = _host_ints(cu_seqlens, "cu_seqlens", where)
+    op_name = "context_parallel_positions"
+    cp_size, cp_rank = _check_cp(cp_size, cp_rank, op_name)
+    info, bounds = _host_ints(cu_seqlens, "cu_seqlens", op_name)
     if info.ndim != 1 or info.shape[0] < 1:
-        raise ValueError(f"{where}: cu_seqlens must have shape (B + 1,), got {info.shape}")
+        raise ValueError(f"{op_name}: cu_seqlens must have shape (B + 1,), got {info.shape}")
     lengths = np.diff(bounds)
     if bounds[0] != 0 or (lengths < 0).any():
-        raise ValueError(f"{where}: cu_seqlens must start at 0 and never decrease, got {bounds.tolist()}")
+        raise ValueError(f"{op_name}: cu_seqlens must start at 0 and never decrease, got {bounds.tolist()}")
     if cp_size > 1 and (lengths % (2 * cp_size)).any():
         raise ValueError(
-            f"{where}: every sequence length must be a multiple of 2 * cp_size = {2 * cp_size} "
+            f"{op_name}: every sequence length must be a multiple of 2 * cp_size = {2 * cp_size} "
             f"(pad them: TransformerEngine's cu_seqlens_padded), got lengths {lengths.tolist()}"
         )
     positions = _cp_rank_positions(lengths, cp_size, cp_rank)
     if offsets is not None:
-        offsets_info, starts = _host_ints(offsets, "offsets", where)
+        offsets_info, starts = _host_ints(offsets, "offsets", op_name)
         if offsets_info.shape != (len(lengths),):
             raise ValueError(
-                f"{where}: offsets must have shape ({len(lengths)},) to match cu_seqlens, "
+                f"{op_name}: offsets must have shape ({len(lengths)},) to match cu_seqlens, "
                 f"got {offsets_info.shape}"
             )
         positions = positions + np.repeat(starts, lengths // cp_size)
@@ -223,42 +223,42 @@ def te_positions(t: Any, tensor_format: str = "sbhd", *, cu_seqlens: Any = None,
     ...              start_positions=np.array([5, 0])).tolist()
     [5, 6, 7, 0]
     """
-    where = "te_positions"
+    op_name = "te_positions"
     if tensor_format not in TE_FORMATS:
-        raise ValueError(f"{where}: tensor_format must be one of {TE_FORMATS}, got {tensor_format!r}")
-    cp_size, cp_rank = _check_cp(cp_size, cp_rank, where)
+        raise ValueError(f"{op_name}: tensor_format must be one of {TE_FORMATS}, got {tensor_format!r}")
+    cp_size, cp_rank = _check_cp(cp_size, cp_rank, op_name)
     if cp_size > 1 and start_positions is not None:
-        raise ValueError(f"{where}: start_positions cannot be combined with cp_size > 1 "
+        raise ValueError(f"{op_name}: start_positions cannot be combined with cp_size > 1 "
                          "(as in TransformerEngine)")
     shape = describe(t, "t").shape
     needed = 3 if tensor_format == "thd" else 4
     if len(shape) != needed:
-        raise ValueError(f"{where}: a {tensor_format!r} tensor has {needed} dims, got shape {shape}")
+        raise ValueError(f"{op_name}: a {tensor_format!r} tensor has {needed} dims, got shape {shape}")
     starts = None
     if start_positions is not None:
-        starts_info, starts = _host_ints(start_positions, "start_positions", where)
+        starts_info, starts = _host_ints(start_positions, "start_positions", op_name)
         if starts_info.ndim != 1:
-            raise ValueError(f"{where}: start_positions must have shape (b,), got {starts_info.shape}")
+            raise ValueError(f"{op_name}: start_positions must have shape (b,), got {starts_info.shape}")
 
     if tensor_format == "thd":
         if cu_seqlens is None:
-            raise ValueError(f"{where}: tensor_format 'thd' needs cu_seqlens")
-        _, bounds = _host_ints(cu_seqlens, "cu_seqlens", where)
+            raise ValueError(f"{op_name}: tensor_format 'thd' needs cu_seqlens")
+        _, bounds = _host_ints(cu_seqlens, "cu_seqlens", op_name)
         positions = np.asarray(context_parallel_positions(bounds, cp_size, cp_rank, offsets=starts))
         if positions.shape[0] != shape[0]:
             raise ValueError(
-                f"{where}: cu_seqlens cover {positions.shape[0]} rows on this rank "
+                f"{op_name}: cu_seqlens cover {positions.shape[0]} rows on this rank "
                 f"(cu_seqlens[-1] // cp_size) but t has {shape[0]}"
             )
     else:
         batch, seq = (shape[1], shape[0]) if tensor_format == "sbhd" else (shape[0], shape[1])
         if cp_size > 1 and seq % 2:
-            raise ValueError(f"{where}: with cp_size > 1 the local sequence length must be even, "
+            raise ValueError(f"{op_name}: with cp_size > 1 the local sequence length must be even, "
                              f"got {seq}")
         positions = _cp_rank_positions(np.array([seq * cp_size]), cp_size, cp_rank)
         if starts is not None:
             if starts.shape[0] != batch:
-                raise ValueError(f"{where}: start_positions must have shape ({batch},), got "
+                raise ValueError(f"{op_name}: start_positions must have shape ({batch},), got "
                                  f"{starts.shape}")
             positions = starts[:, None] + positions[None, :]  # [b, s]
             if tensor_format == "sbhd":

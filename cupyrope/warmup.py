@@ -53,7 +53,7 @@ def warmup(dtypes: Iterable[Any] = ("bfloat16", "float16", "float32"), *,
     inv_freq = None
     if schedule or rotary_dim is not None:  # checked before anything is compiled
         inv_freq, _ = compute_frequencies(rotary_dim, theta=DEFAULT_THETA if theta is None else theta,
-                                          scaling=scaling, seq_len=seq_len, where="warmup")
+                                          scaling=scaling, seq_len=seq_len, op_name="warmup")
     require_gpu("warmup")
     count = compiler.warmup(dtypes, table_dtypes=table_dtypes, sources=sources,
                            interleaved=interleaved, vector=vector, wide_index=wide_index,

@@ -72,25 +72,25 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     Returns None (as vLLM's op): the q and k heads of ``qkv`` hold
     ``rope(x * rsqrt(mean(x**2) + eps) * weight)``, computed in float32 and rounded once.
     """
-    where = "fused_qk_norm_rope"
-    heads = {name: count(value, name, where, minimum=1 if name != "num_heads_v" else 0)
+    op_name = "fused_qk_norm_rope"
+    heads = {name: count(value, name, op_name, minimum=1 if name != "num_heads_v" else 0)
              for name, value in (("num_heads_q", num_heads_q), ("num_heads_k", num_heads_k),
                                  ("num_heads_v", num_heads_v))}
-    head_dim = count(head_dim, "head_dim", where, minimum=1)
-    check_bool(is_neox, "is_neox", where)
-    if require_tensor(qkv, "qkv", where).dim() != 2:
-        raise ValueError(f"{where}: qkv must be 2-d [num_tokens, (num_heads_q + num_heads_k + "
+    head_dim = count(head_dim, "head_dim", op_name, minimum=1)
+    check_bool(is_neox, "is_neox", op_name)
+    if require_tensor(qkv, "qkv", op_name).dim() != 2:
+        raise ValueError(f"{op_name}: qkv must be 2-d [num_tokens, (num_heads_q + num_heads_k + "
                          f"num_heads_v) * head_dim], got shape {tuple(qkv.shape)}")
     width = sum(heads.values()) * head_dim
     if qkv.shape[1] != width:
-        raise ValueError(f"{where}: qkv has {qkv.shape[1]} columns, expected (num_heads_q + "
+        raise ValueError(f"{op_name}: qkv has {qkv.shape[1]} columns, expected (num_heads_q + "
                          f"num_heads_k + num_heads_v) * head_dim = {width}")
     if qkv.stride(1) != 1:
-        raise ValueError(f"{where}: qkv's last dim must have stride 1, got strides "
+        raise ValueError(f"{op_name}: qkv's last dim must have stride 1, got strides "
                          f"{tuple(qkv.stride())}")
     num_tokens = qkv.shape[0]
-    if tuple(require_tensor(position_ids, "position_ids", where).shape) != (num_tokens,):
-        raise ValueError(f"{where}: position_ids must have shape ({num_tokens},) (one per row of "
+    if tuple(require_tensor(position_ids, "position_ids", op_name).shape) != (num_tokens,):
+        raise ValueError(f"{op_name}: position_ids must have shape ({num_tokens},) (one per row of "
                          f"qkv), got {tuple(position_ids.shape)}")
     q_end = heads["num_heads_q"] * head_dim
     k_end = q_end + heads["num_heads_k"] * head_dim
@@ -137,27 +137,27 @@ def rope_and_reshape_and_cache_flash(positions, query, key, value, key_cache, va
     Returns None (as both vLLM ops). Rotated k is cached from float32, rounded once: vLLM rounds
     it to key's dtype first, so fp8 entries may differ from vLLM's by one fp8 ulp.
     """
-    where = "rope_and_reshape_and_cache_flash"
-    head_size = count(head_size, "head_size", where, minimum=1)
-    check_bool(is_neox, "is_neox", where)
+    op_name = "rope_and_reshape_and_cache_flash"
+    head_size = count(head_size, "head_size", op_name, minimum=1)
+    check_bool(is_neox, "is_neox", op_name)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"{where}: kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got "
+        raise ValueError(f"{op_name}: kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got "
                          f"{kv_cache_dtype!r}")
     fmt = KV_CACHE_DTYPES[kv_cache_dtype]
-    q, k, v = (token_heads_view(x, positions, head_size, name, where)
+    q, k, v = (token_heads_view(x, positions, head_size, name, op_name)
                for x, name in ((query, "query"), (key, "key"), (value, "value")))
     num_tokens = q.shape[0]
-    require_tensor(slot_mapping, "slot_mapping", where)
+    require_tensor(slot_mapping, "slot_mapping", op_name)
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] > num_tokens:
-        raise ValueError(f"{where}: slot_mapping must be 1-d with at most {num_tokens} entries "
+        raise ValueError(f"{op_name}: slot_mapping must be 1-d with at most {num_tokens} entries "
                          f"(one per token), got shape {tuple(slot_mapping.shape)}")
-    kind = cache_kind(key_cache, value_cache, fmt, q.dtype, where,
+    kind = cache_kind(key_cache, value_cache, fmt, q.dtype, op_name,
                        f"kv_cache_dtype={kv_cache_dtype!r}")
     if slot_mapping.shape[0] < num_tokens:  # CUDA-graph padding: no slot for the last tokens
         padded = slot_mapping.new_full((num_tokens,), -1)
         padded[:slot_mapping.shape[0]].copy_(slot_mapping)
         slot_mapping = padded
-    write_cache(where, positions, q, k, v, key_cache, value_cache, slot_mapping, kind,
+    write_cache(op_name, positions, q, k, v, key_cache, value_cache, slot_mapping, kind,
                 k_scale, v_scale, cos_sin_cache, is_neox)
 
 
@@ -165,25 +165,25 @@ def rope_and_reshape_and_cache_flash(positions, query, key, value, key_cache, va
 # Shared by the vLLM and SGLang adapters
 
 
-def require_tensor(x, name: str, where: str):
+def require_tensor(x, name: str, op_name: str):
     """``x`` itself, if it is a torch tensor (the adapters read shapes and make views of it)."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{where}: {name} must be a torch tensor, got {type(x).__name__}")
+        raise TypeError(f"{op_name}: {name} must be a torch tensor, got {type(x).__name__}")
     return x
 
 
-def count(value, name: str, where: str, *, minimum: int) -> int:
+def count(value, name: str, op_name: str, *, minimum: int) -> int:
     """A Python / NumPy int (not a bool) >= minimum."""
     if not is_integer(value):
-        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{op_name}: {name} must be an int, got {type(value).__name__}")
     if value < minimum:
-        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
+        raise ValueError(f"{op_name}: {name} must be >= {minimum}, got {value}")
     return int(value)
 
 
-def rotate_in_place(where: str, positions, query, key, head_size, cos_sin_cache,
+def rotate_in_place(op_name: str, positions, query, key, head_size, cos_sin_cache,
                     is_neox) -> None:
-    """:func:`rotary_embedding` under the name of the op it stands for (``where``).
+    """:func:`rotary_embedding` under the name of the op it stands for (``op_name``).
 
     A serving step calls this with the same layout every time, so a repeat call is keyed on the
     tensors as given (flat ``[T, H * head_size]`` or not), ``head_size`` and ``is_neox`` and
@@ -193,14 +193,14 @@ def rotate_in_place(where: str, positions, query, key, head_size, cos_sin_cache,
     found = call_key(query, key, positions, cos_sin_cache, None, None,
                      (10000.0, None, is_neox, None, False, True, None))
     if found is not None:
-        adapter_key = (where, type(head_size), head_size, found[0])
+        adapter_key = (op_name, type(head_size), head_size, found[0])
         recipe = recipes.get(adapter_key)
         if recipe is not None and replay(recipe, query, key, found[1], True) is not None:
             return
-    head_size = count(head_size, "head_size", where, minimum=1)
-    check_bool(is_neox, "is_neox", where)
-    q = heads_view(query, positions, head_size, "query", where)
-    k = None if key is None else heads_view(key, positions, head_size, "key", where)
+    head_size = count(head_size, "head_size", op_name, minimum=1)
+    check_bool(is_neox, "is_neox", op_name)
+    q = heads_view(query, positions, head_size, "query", op_name)
+    k = None if key is None else heads_view(key, positions, head_size, "key", op_name)
     apply_rope(q, k, positions, cos_sin_cache=cos_sin_cache, interleaved=not is_neox, inplace=True)
     if found is not None:
         # The views have the given tensors' pointers, so the views' recipe (with its overlap
@@ -212,78 +212,78 @@ def rotate_in_place(where: str, positions, query, key, head_size, cos_sin_cache,
             recipes.put(adapter_key, recipe)
 
 
-def heads_view(x, positions, head_size: int, name: str, where: str):
+def heads_view(x, positions, head_size: int, name: str, op_name: str):
     """``[..., H * head_size]`` as ``[..., H, head_size]`` (a view: the last dim has stride 1)."""
-    require_tensor(x, name, where)
-    token_dims = require_tensor(positions, "positions", where).dim()
+    require_tensor(x, name, op_name)
+    token_dims = require_tensor(positions, "positions", op_name).dim()
     if x.dim() == token_dims + 2:
         if x.shape[-1] != head_size:
-            raise ValueError(f"{where}: {name} has head size {x.shape[-1]}, expected "
+            raise ValueError(f"{op_name}: {name} has head size {x.shape[-1]}, expected "
                              f"head_size={head_size}")
         return x
     if x.dim() != token_dims + 1:
         raise ValueError(
-            f"{where}: {name} of shape {tuple(x.shape)} must be positions.shape "
+            f"{op_name}: {name} of shape {tuple(x.shape)} must be positions.shape "
             f"{tuple(positions.shape)} + [heads * head_size] or + [heads, head_size]"
         )
     if x.shape[-1] % head_size:
-        raise ValueError(f"{where}: {name}'s last dim {x.shape[-1]} is not a multiple of "
+        raise ValueError(f"{op_name}: {name}'s last dim {x.shape[-1]} is not a multiple of "
                          f"head_size={head_size}")
     return x.view(*x.shape[:-1], x.shape[-1] // head_size, head_size)
 
 
-def token_heads_view(x, positions, head_size: int, name: str, where: str):
+def token_heads_view(x, positions, head_size: int, name: str, op_name: str):
     """``[T, H * head_size]`` or ``[T, H, head_size]`` as ``[T, H, head_size]``: the one token dim
     of a serving batch (positions ``[T]``)."""
-    if require_tensor(positions, "positions", where).dim() != 1:
-        raise ValueError(f"{where}: positions must be 1-d [num_tokens] with a KV cache, got shape "
+    if require_tensor(positions, "positions", op_name).dim() != 1:
+        raise ValueError(f"{op_name}: positions must be 1-d [num_tokens] with a KV cache, got shape "
                          f"{tuple(positions.shape)}")
-    return heads_view(x, positions, head_size, name, where)
+    return heads_view(x, positions, head_size, name, op_name)
 
 
-def cache_kind(k_cache, v_cache, fmt: str | None, dtype, where: str, said: str) -> str | None:
+def cache_kind(k_cache, v_cache, fmt: str | None, dtype, op_name: str, said: str) -> str | None:
     """Check the caches against the format the caller named (None: key's own dtype) and return
     what :func:`cupyrope.rope_and_cache` needs to know: ``cache_dtype`` for uint8 caches (fp8
     bits), ``"fp8"`` for caches of an fp8 dtype, None for caches of key's dtype."""
-    kinds = {dtype_name_of(require_tensor(c, name, where).dtype)
+    kinds = {dtype_name_of(require_tensor(c, name, op_name).dtype)
              for c, name in ((k_cache, "key cache"), (v_cache, "value cache"))}
     if len(kinds) != 1:
-        raise TypeError(f"{where}: key and value caches must have one dtype, got "
+        raise TypeError(f"{op_name}: key and value caches must have one dtype, got "
                         f"{k_cache.dtype} and {v_cache.dtype}")
     stored = kinds.pop()
     if fmt is None:
         if stored != dtype_name_of(dtype):
-            raise TypeError(f"{where}: with {said} the caches must hold key's dtype {dtype}, got "
+            raise TypeError(f"{op_name}: with {said} the caches must hold key's dtype {dtype}, got "
                             f"{k_cache.dtype}")
         return None
     if stored == "uint8":  # fp8 bits
         return fmt
     if stored != fmt:
-        raise TypeError(f"{where}: {said} needs caches of {fmt} (or uint8 holding its bits), got "
+        raise TypeError(f"{op_name}: {said} needs caches of {fmt} (or uint8 holding its bits), got "
                         f"{k_cache.dtype}")
     return "fp8"
 
 
-def cache_scale(value, name: str, where: str):
+def cache_scale(value, name: str, op_name: str):
     """An fp8 scale as cupyrope takes it: None (1), a number, or a one-element tensor (kept on
     the device, so a captured CUDA graph reads its current value)."""
     if value is None:
         return None
     if hasattr(value, "numel"):
         if value.numel() != 1:
-            raise ValueError(f"{where}: {name} must be a number or a one-element tensor (per-head "
+            raise ValueError(f"{op_name}: {name} must be a number or a one-element tensor (per-head "
                              f"scales are not supported), got shape {tuple(value.shape)}")
         return value.reshape(())
-    return check_real(value, name, where)
+    return check_real(value, name, op_name)
 
 
-def write_cache(where: str, positions, q, k, v, k_cache, v_cache, slot_mapping, kind, k_scale,
+def write_cache(op_name: str, positions, q, k, v, k_cache, v_cache, slot_mapping, kind, k_scale,
                 v_scale, cos_sin_cache, is_neox: bool) -> None:
     """Rotate q and k in place and write rotated k and v into ``[num_blocks, block_size, Hk, D]``
     caches (any strides), one launch. ``kind`` is :func:`cache_kind`'s answer: the scales are
     only passed for fp8 caches (serving stacks pass unit scales with 16-bit caches too)."""
-    scales = {"k_scale": cache_scale(k_scale, "k_scale", where),
-              "v_scale": cache_scale(v_scale, "v_scale", where)}
+    scales = {"k_scale": cache_scale(k_scale, "k_scale", op_name),
+              "v_scale": cache_scale(v_scale, "v_scale", op_name)}
     if kind is None:  # checked all the same, so that a bad scale fails before an fp8 run does
         scales = {}
     rope_and_cache(q, k, v, positions, k_cache, v_cache, slot_mapping,

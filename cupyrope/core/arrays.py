@@ -260,12 +260,12 @@ def host_view(info: ArrayInfo) -> np.ndarray:
     return info.view
 
 
-def require_gpu(where: str) -> None:
+def require_gpu(op_name: str) -> None:
     """Raise one clear RuntimeError where there is no usable CUDA GPU (instead of CuPy's own)."""
     cupy = cupy_module()
     if not cupy.is_available():
         raise RuntimeError(
-            f"{where}: no usable CUDA GPU was found (cupy.is_available() is false). {where} prepares "
+            f"{op_name}: no usable CUDA GPU was found (cupy.is_available() is false). {op_name} prepares "
             "kernels for a GPU; without one, cupyrope runs its NumPy path, which needs no warmup"
         )
 

@@ -96,7 +96,7 @@ def rope_frequencies(rotary_dim: int, *, theta: float = 10000.0,
     1.138629
     """
     return compute_frequencies(rotary_dim, theta=theta, scaling=scaling, seq_len=seq_len,
-                               where="rope_frequencies")
+                               op_name="rope_frequencies")
 
 
 def cos_sin_table(positions: np.ndarray, inv_freq: np.ndarray, attention_factor: float):
@@ -139,20 +139,20 @@ def cos_sin_cache(max_position: int, rotary_dim: int, *, theta: float = 10000.0,
     >>> cache.shape, cache.dtype.name
     ((4, 8), 'float32')
     """
-    where = "cos_sin_cache"
+    op_name = "cos_sin_cache"
     if isinstance(max_position, bool) or not isinstance(max_position, (int, np.integer)):
-        raise TypeError(f"{where}: max_position must be an int, got {type(max_position).__name__}")
+        raise TypeError(f"{op_name}: max_position must be an int, got {type(max_position).__name__}")
     if max_position < 0:
-        raise ValueError(f"{where}: max_position must be >= 0, got {max_position}")
+        raise ValueError(f"{op_name}: max_position must be >= 0, got {max_position}")
     if dtype is None:
         dtype = "float64" if like is not None and describe(like, "like").dtype == "float64" else "float32"
     elif dtype_name_of(dtype) in FLOAT_DTYPES:
         dtype = dtype_name_of(dtype)
     else:
-        raise TypeError(f"{where}: dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
+        raise TypeError(f"{op_name}: dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
     # Length-dependent schedules (dynamic, longrope) see the cache's length as the sequence length.
     inv_freq, attention_factor = compute_frequencies(
-        rotary_dim, theta=theta, scaling=scaling, seq_len=int(max_position), where=where
+        rotary_dim, theta=theta, scaling=scaling, seq_len=int(max_position), op_name=op_name
     )
     cos, sin = cos_sin_table(np.arange(int(max_position)), inv_freq, attention_factor)
     cache = round_once(np.concatenate([cos, sin], axis=-1), dtype)

@@ -37,7 +37,7 @@ class Scale:
 class FusionPlan:
     """What a fused call does besides rotating q and k. Strides are in elements."""
 
-    where: str
+    op_name: str
     norm: bool = False
     q_weight: ArrayInfo | None = None
     k_weight: ArrayInfo | None = None
@@ -80,178 +80,178 @@ class FusionPlan:
         return [(name, info) for name, info in named if info is not None]
 
 
-def fp8_name(value, name: str, where: str) -> str | None:
+def fp8_name(value, name: str, op_name: str) -> str | None:
     """The fp8 dtype named by ``value`` (a string or a NumPy / torch / JAX dtype), or None."""
     if value is None:
         return None
     text = dtype_name_of(value)
     if text not in FP8_DTYPES:
-        raise ValueError(f"{where}: {name} must be None or one of {FP8_DTYPES}, got {value!r}")
+        raise ValueError(f"{op_name}: {name} must be None or one of {FP8_DTYPES}, got {value!r}")
     return text
 
 
-def _scale(value, name: str, where: str, q: ArrayInfo) -> Scale:
+def _scale(value, name: str, op_name: str, q: ArrayInfo) -> Scale:
     if value is None:
         return Scale()
     if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
-        scale = check_real(value, name, where)
+        scale = check_real(value, name, op_name)
         if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"{where}: {name} must be finite and > 0, got {value!r}")
+            raise ValueError(f"{op_name}: {name} must be finite and > 0, got {value!r}")
         return Scale(value=scale)
     info = describe(value, name)
     if info.size != 1 or info.ndim > 1:
-        raise ValueError(f"{where}: {name} must be a number or a 0-d / one-element array, got "
+        raise ValueError(f"{op_name}: {name} must be a number or a 0-d / one-element array, got "
                          f"shape {info.shape}")
     if info.dtype != "float32":
-        raise TypeError(f"{where}: {name} must be float32, got {info.dtype}")
+        raise TypeError(f"{op_name}: {name} must be float32, got {info.dtype}")
     if info.device != q.device:
-        raise ValueError(f"{where}: {name} is on {info.where()} but q is on {q.where()}")
+        raise ValueError(f"{op_name}: {name} is on {info.where()} but q is on {q.where()}")
     if not info.on_gpu:  # the NumPy path reads it now
         return Scale(value=float(to_host(info).reshape(())))
     return Scale(array=info)
 
 
-def _weight(value, name: str, where: str, q: ArrayInfo, head_dim: int) -> ArrayInfo:
+def _weight(value, name: str, op_name: str, q: ArrayInfo, head_dim: int) -> ArrayInfo:
     info = describe(value, name)
     if info.shape != (head_dim,):
-        raise ValueError(f"{where}: {name} must have shape ({head_dim},) (head_dim), got "
+        raise ValueError(f"{op_name}: {name} must have shape ({head_dim},) (head_dim), got "
                          f"{info.shape}")
     if info.dtype not in WEIGHT_DTYPES:
-        raise TypeError(f"{where}: {name} must be one of {WEIGHT_DTYPES}, got {info.dtype}")
+        raise TypeError(f"{op_name}: {name} must be one of {WEIGHT_DTYPES}, got {info.dtype}")
     if info.device != q.device:
-        raise ValueError(f"{where}: {name} is on {info.where()} but q is on {q.where()}")
+        raise ValueError(f"{op_name}: {name} is on {info.where()} but q is on {q.where()}")
     return info
 
 
-def plan_fusion(where: str, q: ArrayInfo, k: ArrayInfo | None, *, q_weight=None, k_weight=None,
+def plan_fusion(op_name: str, q: ArrayInfo, k: ArrayInfo | None, *, q_weight=None, k_weight=None,
                 eps=None, weight_offset=0.0, norm=False, out_dtype=None, q_scale=None,
                 k_scale=None, v=None, k_cache=None, v_cache=None, slot_mapping=None,
                 layout="NHD", v_scale=None, cache_dtype=None) -> FusionPlan:
     """Check the fused part of a call (see :func:`cupyrope.rms_norm_rope` and
     :func:`cupyrope.rope_and_cache` for the arguments)."""
     if q.dtype not in WEIGHT_DTYPES:
-        raise TypeError(f"{where}: q must be float16, bfloat16 or float32 for the fused ops, got "
+        raise TypeError(f"{op_name}: q must be float16, bfloat16 or float32 for the fused ops, got "
                         f"{q.dtype} (apply_rope rotates float64)")
     head_dim = q.shape[-1]
-    plan = FusionPlan(where=where)
+    plan = FusionPlan(op_name=op_name)
     if norm:
         plan.norm = True
         if eps is None:
-            raise TypeError(f"{where}: eps is required (e.g. eps=1e-6, the model's rms_norm_eps)")
-        plan.eps = check_real(eps, "eps", where)
+            raise TypeError(f"{op_name}: eps is required (e.g. eps=1e-6, the model's rms_norm_eps)")
+        plan.eps = check_real(eps, "eps", op_name)
         if not (math.isfinite(plan.eps) and plan.eps >= 0):
-            raise ValueError(f"{where}: eps must be finite and >= 0, got {eps!r}")
-        plan.weight_offset = check_real(weight_offset, "weight_offset", where)
+            raise ValueError(f"{op_name}: eps must be finite and >= 0, got {eps!r}")
+        plan.weight_offset = check_real(weight_offset, "weight_offset", op_name)
         if q_weight is None:
-            raise TypeError(f"{where}: q_weight is required")
-        plan.q_weight = _weight(q_weight, "q_weight", where, q, head_dim)
+            raise TypeError(f"{op_name}: q_weight is required")
+        plan.q_weight = _weight(q_weight, "q_weight", op_name, q, head_dim)
         if k is not None:
             if k_weight is None:
-                raise TypeError(f"{where}: k_weight is required when k is given")
-            plan.k_weight = _weight(k_weight, "k_weight", where, q, head_dim)
+                raise TypeError(f"{op_name}: k_weight is required when k is given")
+            plan.k_weight = _weight(k_weight, "k_weight", op_name, q, head_dim)
             if plan.k_weight.dtype != plan.q_weight.dtype:
-                raise TypeError(f"{where}: q_weight and k_weight must have one dtype, got "
+                raise TypeError(f"{op_name}: q_weight and k_weight must have one dtype, got "
                                 f"{plan.q_weight.dtype} and {plan.k_weight.dtype}")
         elif k_weight is not None:
-            raise ValueError(f"{where}: k_weight given without k")
+            raise ValueError(f"{op_name}: k_weight given without k")
 
-    plan.out_dtype = fp8_name(out_dtype, "out_dtype", where)
+    plan.out_dtype = fp8_name(out_dtype, "out_dtype", op_name)
     if plan.out_dtype is None and q_scale is not None:
-        raise ValueError(f"{where}: q_scale is only used with an fp8 out_dtype")
-    plan.q_scale = _scale(q_scale, "q_scale", where, q)
-    plan.k_scale = _scale(k_scale, "k_scale", where, q)
+        raise ValueError(f"{op_name}: q_scale is only used with an fp8 out_dtype")
+    plan.q_scale = _scale(q_scale, "q_scale", op_name, q)
+    plan.k_scale = _scale(k_scale, "k_scale", op_name, q)
 
     if k_cache is None and v_cache is None and v is None and slot_mapping is None:
         if v_scale is not None or cache_dtype is not None:
-            raise ValueError(f"{where}: v_scale / cache_dtype are only used with a KV cache")
+            raise ValueError(f"{op_name}: v_scale / cache_dtype are only used with a KV cache")
         if plan.out_dtype is None and k_scale is not None:
-            raise ValueError(f"{where}: k_scale is only used with an fp8 out_dtype or cache")
+            raise ValueError(f"{op_name}: k_scale is only used with an fp8 out_dtype or cache")
         return plan
     _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_scale, cache_dtype)
     if plan.out_dtype is None and plan.cache_dtype is None and k_scale is not None:
-        raise ValueError(f"{where}: k_scale is only used with an fp8 out_dtype or an fp8 cache")
+        raise ValueError(f"{op_name}: k_scale is only used with an fp8 out_dtype or an fp8 cache")
     return plan
 
 
 def _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_scale,
                       cache_dtype) -> None:
-    where = plan.where
+    op_name = plan.op_name
     if any(x is None for x in (k, v, k_cache, v_cache, slot_mapping)):
-        raise TypeError(f"{where}: k, v, k_cache, v_cache and slot_mapping are all required")
+        raise TypeError(f"{op_name}: k, v, k_cache, v_cache and slot_mapping are all required")
     if len(q.shape) != 3:
-        raise ValueError(f"{where}: q must be [num_tokens, num_heads, head_dim] (one token dim, "
+        raise ValueError(f"{op_name}: q must be [num_tokens, num_heads, head_dim] (one token dim, "
                          f"as vLLM and SGLang lay out a batch), got shape {q.shape}")
     plan.v = describe(v, "v")
     if plan.v.kind != q.kind or plan.v.device != q.device or plan.v.dtype != q.dtype:
-        raise TypeError(f"{where}: v must be the array type, device and dtype of q "
+        raise TypeError(f"{op_name}: v must be the array type, device and dtype of q "
                         f"({q.kind}, {q.where()}, {q.dtype}), got ({plan.v.kind}, "
                         f"{plan.v.where()}, {plan.v.dtype})")
     if plan.v.shape != k.shape:
-        raise ValueError(f"{where}: v must have k's shape {k.shape} (the same tokens and KV "
+        raise ValueError(f"{op_name}: v must have k's shape {k.shape} (the same tokens and KV "
                          f"heads), got {plan.v.shape}")
     if plan.v.strides[-1] != 1:
-        raise ValueError(f"{where}: v's last dim must have stride 1, got strides {plan.v.strides}")
+        raise ValueError(f"{op_name}: v's last dim must have stride 1, got strides {plan.v.strides}")
     if layout not in LAYOUTS:
-        raise ValueError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"{op_name}: layout must be one of {LAYOUTS}, got {layout!r}")
     plan.layout = layout
     num_tokens, num_heads, head_dim = k.shape
     caches = []
     for name, value in (("k_cache", k_cache), ("v_cache", v_cache)):
         info = describe(value, name)
         if info.kind != q.kind or info.device != q.device:
-            raise TypeError(f"{where}: {name} must be the array type and device of q ({q.kind}, "
+            raise TypeError(f"{op_name}: {name} must be the array type and device of q ({q.kind}, "
                             f"{q.where()}), got ({info.kind}, {info.where()})")
         if info.ndim != 4:
-            raise ValueError(f"{where}: {name} must be 4-d ({_layout_text(layout)}), got shape "
+            raise ValueError(f"{op_name}: {name} must be 4-d ({_layout_text(layout)}), got shape "
                              f"{info.shape}")
         blocks, size, heads = ((info.shape[0], info.shape[1], info.shape[2]) if layout == "NHD"
                                else (info.shape[0], info.shape[2], info.shape[1]))
         if heads != num_heads or info.shape[3] != head_dim:
-            raise ValueError(f"{where}: {name} of shape {info.shape} does not hold {num_heads} "
+            raise ValueError(f"{op_name}: {name} of shape {info.shape} does not hold {num_heads} "
                              f"heads of {head_dim} in layout {_layout_text(layout)}")
         if info.strides[-1] != 1:
-            raise ValueError(f"{where}: {name}'s last dim must have stride 1, got strides "
+            raise ValueError(f"{op_name}: {name}'s last dim must have stride 1, got strides "
                              f"{info.strides}")
         if not info.writable:
-            raise ValueError(f"{where}: {name} is read-only")
+            raise ValueError(f"{op_name}: {name} is read-only")
         caches.append((info, blocks, size))
     (kc, blocks, size), (vc, v_blocks, v_size) = caches
     if (blocks, size) != (v_blocks, v_size):
-        raise ValueError(f"{where}: k_cache and v_cache must have the same blocks and block size, "
+        raise ValueError(f"{op_name}: k_cache and v_cache must have the same blocks and block size, "
                          f"got {kc.shape} and {vc.shape}")
     if kc.dtype != vc.dtype:
-        raise TypeError(f"{where}: k_cache and v_cache must have one dtype, got {kc.dtype} and "
+        raise TypeError(f"{op_name}: k_cache and v_cache must have one dtype, got {kc.dtype} and "
                         f"{vc.dtype}")
     plan.k_cache, plan.v_cache, plan.num_blocks, plan.block_size = kc, vc, blocks, size
-    named = fp8_name(cache_dtype, "cache_dtype", where)
+    named = fp8_name(cache_dtype, "cache_dtype", op_name)
     if kc.dtype in FP8_DTYPES:
         if named is not None and named != kc.dtype:
-            raise ValueError(f"{where}: cache_dtype {named} but the caches are {kc.dtype}")
+            raise ValueError(f"{op_name}: cache_dtype {named} but the caches are {kc.dtype}")
         plan.cache_dtype = kc.dtype
     elif kc.dtype == "uint8":  # fp8 bits (CuPy has no fp8 dtype; vLLM keeps such caches too)
         if named is None:
-            raise TypeError(f"{where}: uint8 caches hold fp8 bits: say which format with "
+            raise TypeError(f"{op_name}: uint8 caches hold fp8 bits: say which format with "
                             f"cache_dtype='float8_e4m3fn' or 'float8_e5m2'")
         plan.cache_dtype = named
     elif kc.dtype == q.dtype:
         if named is not None:
-            raise ValueError(f"{where}: cache_dtype {named} but the caches are {kc.dtype}")
+            raise ValueError(f"{op_name}: cache_dtype {named} but the caches are {kc.dtype}")
         plan.cache_dtype = None
     else:
-        raise TypeError(f"{where}: the caches must have q's dtype {q.dtype}, an fp8 dtype, or "
+        raise TypeError(f"{op_name}: the caches must have q's dtype {q.dtype}, an fp8 dtype, or "
                         f"uint8 with cache_dtype, got {kc.dtype}")
     if plan.cache_dtype is None and v_scale is not None:
-        raise ValueError(f"{where}: v_scale is only used with an fp8 cache")
-    plan.v_scale = _scale(v_scale, "v_scale", where, q)
+        raise ValueError(f"{op_name}: v_scale is only used with an fp8 cache")
+    plan.v_scale = _scale(v_scale, "v_scale", op_name, q)
 
     slots = describe(slot_mapping, "slot_mapping")
     if slots.dtype not in POSITION_DTYPES:
-        raise TypeError(f"{where}: slot_mapping must be int32 or int64, got {slots.dtype}")
+        raise TypeError(f"{op_name}: slot_mapping must be int32 or int64, got {slots.dtype}")
     if slots.shape != (num_tokens,):
-        raise ValueError(f"{where}: slot_mapping must have shape ({num_tokens},) (one slot per "
+        raise ValueError(f"{op_name}: slot_mapping must have shape ({num_tokens},) (one slot per "
                          f"token), got {slots.shape}")
     if slots.device != q.device:
-        raise ValueError(f"{where}: slot_mapping is on {slots.where()} but q is on {q.where()}")
+        raise ValueError(f"{op_name}: slot_mapping is on {slots.where()} but q is on {q.where()}")
     plan.slot_mapping = slots
 
 
@@ -269,7 +269,7 @@ def check_written_alone(plan: FusionPlan, rope_operands) -> None:
             continue
         for other, other_info in operands:
             if other != written and shares_memory(info, other_info):
-                raise ValueError(f"{plan.where}: {written} shares memory with {other}: pass a "
+                raise ValueError(f"{plan.op_name}: {written} shares memory with {other}: pass a "
                                  "cache that no other argument overlaps")
 
 
@@ -280,22 +280,22 @@ def check_slot_values(plan: FusionPlan) -> None:
     slots = to_host(plan.slot_mapping).astype(np.int64)
     bad = slots >= plan.num_slots
     if bad.any():
-        raise IndexError(f"{plan.where}: slot_mapping holds {int(bad.sum())} slot(s) >= "
+        raise IndexError(f"{plan.op_name}: slot_mapping holds {int(bad.sum())} slot(s) >= "
                          f"{plan.num_slots} (num_blocks * block_size), first "
                          f"{int(slots[bad][0])}; negative slots mean padding")
 
 
 
-def plan_fused(where: str, q, k, positions, *, rope: dict, fusion: dict, validate: bool) -> RopePlan:
+def plan_fused(op_name: str, q, k, positions, *, rope: dict, fusion: dict, validate: bool) -> RopePlan:
     """The plan of a fused call: the rotation's checks (:func:`cupyrope.core.plan.plan_rope`), then the
     fused part's, then the memory each written array may not share."""
     if fusion.get("out_dtype") is not None and rope.get("inplace"):
-        raise ValueError(f"{where}: an fp8 out_dtype needs new outputs: pass inplace=False")
+        raise ValueError(f"{op_name}: an fp8 out_dtype needs new outputs: pass inplace=False")
     plan = plan_rope(q, k, positions, **rope)
-    fused = plan_fusion(where, plan.q, plan.k, **fusion)
+    fused = plan_fusion(op_name, plan.q, plan.k, **fusion)
     for name, info in fused.operands():
         if info.on_gpu and info.ptr % ITEMSIZE[info.dtype]:
-            raise ValueError(f"{where}: {name}'s data pointer {info.ptr:#x} is not a multiple of "
+            raise ValueError(f"{op_name}: {name}'s data pointer {info.ptr:#x} is not a multiple of "
                              f"its element size ({ITEMSIZE[info.dtype]} bytes); pass an array "
                              "that starts on an element boundary")
     operands = operands_of(plan)
@@ -303,7 +303,7 @@ def plan_fused(where: str, q, k, positions, *, rope: dict, fusion: dict, validat
         for written, info in operands[:2]:
             for other, other_info in fused.operands():
                 if written in ("q", "k") and shares_memory(info, other_info):
-                    raise ValueError(f"{where}: inplace=True but {written} shares memory with "
+                    raise ValueError(f"{op_name}: inplace=True but {written} shares memory with "
                                      f"{other}; pass arrays that do not overlap")
     check_written_alone(fused, operands)
     plan.fusion = fused

@@ -13,7 +13,7 @@ from .abi import MRopeMode
 MROPE_NONE, MROPE_SECTIONED, MROPE_INTERLEAVED = MRopeMode.NONE, MRopeMode.SECTIONED, MRopeMode.INTERLEAVED
 
 
-def mrope_layout(scaling: Mapping[str, Any] | None, rotary_dim: int, where: str):
+def mrope_layout(scaling: Mapping[str, Any] | None, rotary_dim: int, op_name: str):
     """``(mode, sections)`` of a dict's M-RoPE, or ``(MROPE_NONE, None)`` without ``mrope_section``.
 
     Sectioned (Qwen2-VL, Qwen2.5-VL): frequencies ``[0, s0)`` take the temporal position,
@@ -24,25 +24,25 @@ def mrope_layout(scaling: Mapping[str, Any] | None, rotary_dim: int, where: str)
     """
     if not scaling or scaling.get("mrope_section") is None:
         if scaling and scaling.get("mrope_interleaved"):
-            raise ValueError(f"{where}: scaling['mrope_interleaved'] needs an 'mrope_section'")
+            raise ValueError(f"{op_name}: scaling['mrope_interleaved'] needs an 'mrope_section'")
         return MROPE_NONE, None
     sections = scaling["mrope_section"]
     if (isinstance(sections, (str, bytes)) or not hasattr(sections, "__len__") or len(sections) != 3
             or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0
                    for v in sections)):
         raise ValueError(
-            f"{where}: scaling['mrope_section'] must be 3 non-negative ints (temporal, height, width "
+            f"{op_name}: scaling['mrope_section'] must be 3 non-negative ints (temporal, height, width "
             f"frequencies), got {sections!r}"
         )
     sections = tuple(int(v) for v in sections)
     if sum(sections) != rotary_dim // 2:
         raise ValueError(
-            f"{where}: scaling['mrope_section'] {list(sections)} must add up to rotary_dim // 2 = "
+            f"{op_name}: scaling['mrope_section'] {list(sections)} must add up to rotary_dim // 2 = "
             f"{rotary_dim // 2} frequencies, got {sum(sections)}"
         )
     interleaved = scaling.get("mrope_interleaved", False)
     if not isinstance(interleaved, (bool, np.bool_)):
-        raise TypeError(f"{where}: scaling['mrope_interleaved'] must be a bool, got {interleaved!r}")
+        raise TypeError(f"{op_name}: scaling['mrope_interleaved'] must be a bool, got {interleaved!r}")
     return (MROPE_INTERLEAVED if interleaved else MROPE_SECTIONED), sections
 
 

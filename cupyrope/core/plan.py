@@ -375,7 +375,7 @@ def _plan_computed(theta, scaling, seq_len, rotary_dim, head_dim):
     rotary_dim = rotary_dim_for(head_dim, scaling, rotary_dim, "apply_rope")
     check_rotary_dim(rotary_dim, "apply_rope", head_dim)
     inv_freq, attention_factor = compute_frequencies(rotary_dim, theta=theta, scaling=scaling,
-                                                     seq_len=seq_len, where="apply_rope")
+                                                     seq_len=seq_len, op_name="apply_rope")
     return rotary_dim, dict(source=AngleSource.COMPUTED, inv_freq=inv_freq,
                             attention_factor=attention_factor)
 

@@ -35,15 +35,15 @@ def _thaw(value):
     return value
 
 
-def check_scaling_dict(scaling, where: str = "apply_rope") -> None:
+def check_scaling_dict(scaling, op_name: str = "apply_rope") -> None:
     if not isinstance(scaling, Mapping):
         raise TypeError(
-            f"{where}: scaling must be None or a Hugging Face rope_scaling dict, "
+            f"{op_name}: scaling must be None or a Hugging Face rope_scaling dict, "
             f"got {type(scaling).__name__}"
         )
     for key in scaling:
         if not isinstance(key, str):
-            raise TypeError(f"{where}: scaling keys must be plain strings, got {key!r}")
+            raise TypeError(f"{op_name}: scaling keys must be plain strings, got {key!r}")
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,10 @@ class Scaling:
     items: tuple
 
     @classmethod
-    def from_dict(cls, scaling, where: str = "apply_rope") -> "Scaling | None":
+    def from_dict(cls, scaling, op_name: str = "apply_rope") -> "Scaling | None":
         if scaling is None or isinstance(scaling, Scaling):
             return scaling
-        check_scaling_dict(scaling, where)
+        check_scaling_dict(scaling, op_name)
         return cls(tuple((key, _freeze(value)) for key, value in scaling.items()))
 
     def as_dict(self) -> dict:
@@ -90,7 +90,7 @@ def _token(text: str) -> str:
     return str(len(text)) + ":" + text
 
 
-def _encode_value(value, numbers: list, where: str) -> str:
+def _encode_value(value, numbers: list, op_name: str) -> str:
     if value is None:
         return _token("none")
     if isinstance(value, str):
@@ -98,11 +98,11 @@ def _encode_value(value, numbers: list, where: str) -> str:
     if isinstance(value, (bool, np.bool_)):
         return _token("true" if value else "false")
     if isinstance(value, Mapping):
-        return _token("dict") + _encode_items(value, numbers, where)
+        return _token("dict") + _encode_items(value, numbers, op_name)
     if isinstance(value, (list, tuple)):
         text = _token("list") + _token(str(len(value)))
         for element in value:
-            text = text + _encode_value(element, numbers, where)
+            text = text + _encode_value(element, numbers, op_name)
         return text
     if isinstance(value, (int, np.integer)):
         numbers.append(float(value))
@@ -110,27 +110,27 @@ def _encode_value(value, numbers: list, where: str) -> str:
     if isinstance(value, (float, np.floating)) or type(value).__name__ == "SymFloat":
         numbers.append(value)
         return _token("float")
-    raise TypeError(f"{where}: scaling holds a value that is not a number, string, bool, None, "
+    raise TypeError(f"{op_name}: scaling holds a value that is not a number, string, bool, None, "
                     f"list or dict: {value!r}")
 
 
-def _encode_items(scaling, numbers: list, where: str) -> str:
+def _encode_items(scaling, numbers: list, op_name: str) -> str:
     text = _token(str(len(scaling)))
     for key, value in scaling.items():
         if not isinstance(key, str):
-            raise TypeError(f"{where}: scaling keys must be plain strings, got {key!r}")
-        text = text + _token(key) + _encode_value(value, numbers, where)
+            raise TypeError(f"{op_name}: scaling keys must be plain strings, got {key!r}")
+        text = text + _token(key) + _encode_value(value, numbers, op_name)
     return text
 
 
-def scaling_op_args(scaling, where: str = "apply_rope"):
+def scaling_op_args(scaling, op_name: str = "apply_rope"):
     """``(text, numbers)`` for a rope_scaling dict, ``(None, None)`` for None."""
     if scaling is None:
         return None, None
     scaling = as_dict(scaling)
-    check_scaling_dict(scaling, where)
+    check_scaling_dict(scaling, op_name)
     numbers: list = []
-    return _encode_items(scaling, numbers, where), numbers
+    return _encode_items(scaling, numbers, op_name), numbers
 
 
 class _Reader:

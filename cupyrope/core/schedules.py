@@ -75,7 +75,7 @@ _SCHEDULE_KEYS = {
 # the dict's own checks
 
 
-def scaling_type(scaling: Mapping[str, Any] | None, where: str) -> str:
+def scaling_type(scaling: Mapping[str, Any] | None, op_name: str) -> str:
     """The rope_type of a Hugging Face rope_scaling / rope_parameters dict, checked.
 
     ``"type"`` is the legacy spelling of ``"rope_type"`` (both may be given if they agree); no type
@@ -85,30 +85,30 @@ def scaling_type(scaling: Mapping[str, Any] | None, where: str) -> str:
         return "default"
     if not isinstance(scaling, Mapping):
         raise TypeError(
-            f"{where}: scaling must be None or a Hugging Face rope_scaling dict, "
+            f"{op_name}: scaling must be None or a Hugging Face rope_scaling dict, "
             f"got {type(scaling).__name__}"
         )
     nested = [key for key, value in scaling.items() if isinstance(value, Mapping)]
     if nested:
         raise ValueError(
-            f"{where}: scaling holds one dict per layer type ({', '.join(map(repr, nested))}); pass "
+            f"{op_name}: scaling holds one dict per layer type ({', '.join(map(repr, nested))}); pass "
             f"the dict of one layer type, e.g. scaling[{nested[0]!r}]"
         )
     rope_type, legacy = scaling.get("rope_type"), scaling.get("type")
     for name, value in (("rope_type", rope_type), ("type", legacy)):
         if value is not None and not isinstance(value, str):
-            raise TypeError(f"{where}: scaling[{name!r}] must be a string, got {type(value).__name__}")
+            raise TypeError(f"{op_name}: scaling[{name!r}] must be a string, got {type(value).__name__}")
     if rope_type is None:
         rope_type = "default" if legacy is None else legacy
     elif legacy is not None and _ALIASES.get(legacy, legacy) != _ALIASES.get(rope_type, rope_type):
         raise ValueError(
-            f"{where}: scaling has 'rope_type' {rope_type!r} and 'type' {legacy!r}; 'type' is the legacy "
+            f"{op_name}: scaling has 'rope_type' {rope_type!r} and 'type' {legacy!r}; 'type' is the legacy "
             "name of 'rope_type': give one, or both equal"
         )
     rope_type = _ALIASES.get(rope_type, rope_type)
     if rope_type not in ROPE_TYPES:
         raise ValueError(
-            f"{where}: unknown scaling rope_type {rope_type!r}; expected one of {ROPE_TYPES}"
+            f"{op_name}: unknown scaling rope_type {rope_type!r}; expected one of {ROPE_TYPES}"
         )
     return rope_type
 
@@ -124,39 +124,39 @@ def _number_or_none(value, key: str, context: str) -> float | None:
     return value
 
 
-def partial_rotary_factor(scaling: Mapping[str, Any] | None, where: str) -> float | None:
+def partial_rotary_factor(scaling: Mapping[str, Any] | None, op_name: str) -> float | None:
     """``scaling['partial_rotary_factor']`` checked to lie in (0, 1]; None when absent."""
     if not scaling:
         return None
     value = _number_or_none(scaling.get("partial_rotary_factor"), "partial_rotary_factor",
-                            f"{where}: scaling")
+                            f"{op_name}: scaling")
     if value is not None and not 0.0 < value <= 1.0:
-        raise ValueError(f"{where}: scaling['partial_rotary_factor'] must lie in (0, 1], got {value!r}")
+        raise ValueError(f"{op_name}: scaling['partial_rotary_factor'] must lie in (0, 1], got {value!r}")
     return value
 
 
-def rotary_dim_for(head_dim: int, scaling, rotary_dim, where: str) -> int:
+def rotary_dim_for(head_dim: int, scaling, rotary_dim, op_name: str) -> int:
     """The rotary_dim of a call with computed angles, from head_dim, scaling and rotary_dim.
 
     Without a ``partial_rotary_factor`` in ``scaling`` (or for ``proportional``, which always spans
     head_dim): ``rotary_dim``, or head_dim when it is None. With one: ``int(head_dim * factor)``, as
     Hugging Face computes it; an explicit ``rotary_dim`` must then equal that.
     """
-    rope_type = scaling_type(scaling, where)
-    factor = None if rope_type == "proportional" else partial_rotary_factor(scaling, where)
+    rope_type = scaling_type(scaling, op_name)
+    factor = None if rope_type == "proportional" else partial_rotary_factor(scaling, op_name)
     if factor is None:
         return head_dim if rotary_dim is None else rotary_dim
     dim = int(head_dim * factor)
     if rotary_dim is None:
         if dim < 2 or dim % 2:
             raise ValueError(
-                f"{where}: scaling['partial_rotary_factor'] = {factor!r} of head_dim {head_dim} gives "
+                f"{op_name}: scaling['partial_rotary_factor'] = {factor!r} of head_dim {head_dim} gives "
                 f"rotary_dim int({head_dim} * {factor!r}) = {dim}, which is not even and >= 2"
             )
         return dim
     if rotary_dim != dim:
         raise ValueError(
-            f"{where}: rotary_dim is {rotary_dim} but scaling['partial_rotary_factor'] = {factor!r} of "
+            f"{op_name}: rotary_dim is {rotary_dim} but scaling['partial_rotary_factor'] = {factor!r} of "
             f"head_dim {head_dim} gives int({head_dim} * {factor!r}) = {dim}; leave rotary_dim out or "
             "make them agree"
         )
@@ -171,14 +171,14 @@ class _Schedule:
     """One call's inputs, with checked readers that name the key in every error."""
 
     def __init__(self, rope_type: str, rotary_dim: int, theta: float, params: Mapping[str, Any],
-                 seq_len: int | None, where: str):
+                 seq_len: int | None, op_name: str):
         self.rope_type = rope_type
         self.dim = rotary_dim
         self.theta = theta
         self.params = params
         self.seq_len = seq_len
-        self.where = where
-        self.context = f"{where}: {rope_type!r} scaling"
+        self.op_name = op_name
+        self.context = f"{op_name}: {rope_type!r} scaling"
 
     def number(self, key: str, *, positive: bool = False) -> float | None:
         """A finite number (> 0 with ``positive``), or None when absent or None."""
@@ -383,7 +383,7 @@ def _proportional(s: _Schedule):
     # rotary_dim plays Hugging Face's head_dim: the first int(prf * head_dim // 2) pairs rotate with
     # the exponents of the full head_dim, the others get frequency 0 (an identity rotation).
     factor = s.number("factor", positive=True) or 1.0
-    fraction = partial_rotary_factor(s.params, s.where) or 1.0
+    fraction = partial_rotary_factor(s.params, s.op_name) or 1.0
     rope_angles = int(fraction * s.dim // 2)
     inv_freq = np.zeros(s.dim // 2, dtype=np.float64)
     inv_freq[:rope_angles] = 1.0 / s.theta ** s.exponents(2 * rope_angles)
@@ -401,20 +401,20 @@ _COMPUTE = {
 }
 
 
-def schedule_theta(theta, scaling, where: str) -> float:
+def schedule_theta(theta, scaling, op_name: str) -> float:
     """The RoPE base: ``scaling['rope_theta']`` when present, else ``theta``.
 
     Both given and different raises, unless ``theta`` is at its default (10000.0), which cannot be
     told apart from "not given".
     """
-    theta = check_theta(theta, where)
+    theta = check_theta(theta, op_name)
     rope_theta = None if not scaling else scaling.get("rope_theta")
     if rope_theta is None:
         return theta
-    rope_theta = check_theta(rope_theta, where, "scaling['rope_theta']")
+    rope_theta = check_theta(rope_theta, op_name, "scaling['rope_theta']")
     if theta != DEFAULT_THETA and theta != rope_theta:
         raise ValueError(
-            f"{where}: theta={theta!r} disagrees with scaling['rope_theta']={rope_theta!r}; give the "
+            f"{op_name}: theta={theta!r} disagrees with scaling['rope_theta']={rope_theta!r}; give the "
             "base once (leave theta at its default when the dict has rope_theta)"
         )
     return rope_theta
@@ -430,26 +430,26 @@ def _stacklevel_outside_package() -> int:
 
 
 def compute_frequencies(rotary_dim, *, theta=DEFAULT_THETA, scaling=None, seq_len=None,
-                        where: str = "rope_frequencies"):
+                        op_name: str = "rope_frequencies"):
     """``(inv_freq float64[rotary_dim // 2], attention_factor float)`` of a schedule, checked.
 
-    See :func:`cupyrope.rope_frequencies`; ``where`` prefixes the error messages.
+    See :func:`cupyrope.rope_frequencies`; ``op_name`` prefixes the error messages.
     """
-    rotary_dim = check_rotary_dim(rotary_dim, where)
-    rope_type = scaling_type(scaling, where)
-    base = schedule_theta(theta, scaling, where)
-    seq_len = check_seq_len(seq_len, where)
+    rotary_dim = check_rotary_dim(rotary_dim, op_name)
+    rope_type = scaling_type(scaling, op_name)
+    base = schedule_theta(theta, scaling, op_name)
+    seq_len = check_seq_len(seq_len, op_name)
     params = scaling or {}
-    partial_rotary_factor(params, where)  # checked for every type, used by proportional
-    mrope_layout(params, rotary_dim, where)  # M-RoPE keys checked here too; plan.py uses them
-    schedule = _Schedule(rope_type, rotary_dim, base, params, seq_len, where)
+    partial_rotary_factor(params, op_name)  # checked for every type, used by proportional
+    mrope_layout(params, rotary_dim, op_name)  # M-RoPE keys checked here too; plan.py uses them
+    schedule = _Schedule(rope_type, rotary_dim, base, params, seq_len, op_name)
     inv_freq, attention_factor = _COMPUTE[rope_type](schedule)
 
     unused = sorted(str(key) for key in params
                     if key not in _COMMON_KEYS and key not in _SCHEDULE_KEYS[rope_type])
     if unused:
         warnings.warn(
-            f"{where}: scaling keys {unused} are not used by rope_type {rope_type!r} (it reads "
+            f"{op_name}: scaling keys {unused} are not used by rope_type {rope_type!r} (it reads "
             f"{sorted(_SCHEDULE_KEYS[rope_type] | {'rope_theta'})})",
             UserWarning, stacklevel=_stacklevel_outside_package(),
         )
@@ -457,7 +457,7 @@ def compute_frequencies(rotary_dim, *, theta=DEFAULT_THETA, scaling=None, seq_le
     attention_factor = float(attention_factor)
     if not (np.all(np.isfinite(inv_freq)) and math.isfinite(attention_factor) and attention_factor > 0):
         raise ValueError(
-            f"{where}: the {rope_type!r} schedule gives non-finite inverse frequencies or an attention "
+            f"{op_name}: the {rope_type!r} schedule gives non-finite inverse frequencies or an attention "
             f"factor that is not > 0 ({attention_factor!r}); check the values of scaling"
         )
     return inv_freq, attention_factor

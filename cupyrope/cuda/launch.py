@@ -633,7 +633,7 @@ def check_fp8_support(plan: RopePlan) -> None:
     capability = _compute_capability(plan.device)
     if capability < FP8_MIN_COMPUTE_CAPABILITY:
         raise RuntimeError(
-            f"{fusion.where}: fp8 outputs need a GPU of compute capability 8.9 or newer (Ada, "
+            f"{fusion.op_name}: fp8 outputs need a GPU of compute capability 8.9 or newer (Ada, "
             f"Hopper, Blackwell) for its fp8 conversions; device {plan.device} has "
             f"{capability // 10}.{capability % 10}. Store in the input dtype instead")
 

@@ -262,10 +262,10 @@ FUSED_OPERANDS = ("q", "k", "positions", "cos_sin_cache", "cos", "sin") + FUSION
 _SCALES = ("q_scale", "k_scale", "v_scale")
 
 
-def fused_call_key(where: str, q, k, positions, rope: dict, fusion: dict):
+def fused_call_key(op_name: str, q, k, positions, rope: dict, fusion: dict):
     """(hashable key, pointers in FUSED_OPERANDS order) for a fused call on CUDA torch tensors /
     CuPy arrays, else None: as :func:`call_key`, over every array operand and option of the
-    call (``where`` names the op)."""
+    call (``op_name`` names the op)."""
     values = {"q": q, "k": k, "positions": positions, **rope, **fusion}
     metas, pointers = [], []
     for name in FUSED_OPERANDS:
@@ -292,7 +292,7 @@ def fused_call_key(where: str, q, k, positions, rope: dict, fusion: dict):
                 return None
         options.append((name, type(value), value))
     try:
-        key = (where, tuple(metas), tuple(options))
+        key = (op_name, tuple(metas), tuple(options))
         hash(key)
     except TypeError:  # an unhashable option: full path
         return None

@@ -306,12 +306,12 @@ def _entry_source(spec, name: str, buffers: tuple) -> str:
     arguments = [f"unsigned long long buffer{i}" for i in range(len(buffers))]
     arguments.append("long long sin_offset")
     lines = []
-    for label, type_name, words, where in structs:
+    for label, type_name, words, word_of in structs:
         arguments += [f"unsigned long long {label}{i}" for i in range(words)]
         lines.append(f"union {{ {type_name} p; unsigned long long w[{words}]; }} {label};")
         lines += [f"{label}.w[{i}] = {label}{i};" for i in range(words)]
-        lines += [f"{label}.w[{where[b]}] = buffer{i};" for i, b in enumerate(buffers)
-                  if b in where]
+        lines += [f"{label}.w[{word_of[b]}] = buffer{i};" for i, b in enumerate(buffers)
+                  if b in word_of]
     cos = buffers.index("cos_sin_cache") if "cos_sin_cache" in buffers else None
     if cos is not None:  # the cos/sin cache: sin is the second half of cos's row
         lines.append(f"rope.w[{_ROPE_WORDS['sin']}] = buffer{cos} + "

@@ -144,7 +144,7 @@ class _Fused(NamedTuple):
     are not arrays (canonical: fp8 dtypes by name), and the names of the array arguments given, in
     the order the callback receives them."""
 
-    where: str
+    op_name: str
     rope: _Static
     options: tuple[tuple[str, object], ...]
     names: tuple[str, ...]
@@ -178,89 +178,89 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
     return q_out if k is None else (q_out, k_out)
 
 
-def run_fused(where, q, k, positions, *, rope: dict, fusion: dict, validate: bool):
+def run_fused(op_name, q, k, positions, *, rope: dict, fusion: dict, validate: bool):
     """A fused op (``rms_norm_rope``, ``rope_and_cache``, ``apply_rope(out_dtype=...)``) with a
     JAX tracer among its arguments, or a ``rope_and_cache`` on JAX arrays: checked now, run by one
     primitive (see the module docstring). Returns what :func:`cupyrope.execute.run_fused`
     returns, with new caches in place of the written ones."""
     inplace = rope["inplace"]
-    if where == "rope_and_cache" and isinstance(inplace, (bool, np.bool_)) and inplace:
+    if op_name == "rope_and_cache" and isinstance(inplace, (bool, np.bool_)) and inplace:
         raise TypeError(
             "rope_and_cache: JAX arrays are immutable, so q and k cannot be rotated in place: pass "
             "inplace=False (q_out and k_out are new arrays, and the call returns new caches, "
             "updated in place by XLA where the caller donates them)")
     given = {"q": q, "k": k, "positions": positions, **{name: rope[name] for name in _TABLES},
              **{name: fusion.get(name) for name in _FUSED_ARRAYS + _SCALES}}
-    arrays = {name: _fused_array(x, name, where) for name, x in given.items()
+    arrays = {name: _fused_array(x, name, op_name) for name, x in given.items()
               if x is not None and not (name in _SCALES and _is_number(x))}
     options = {name: value for name, value in fusion.items()
                if name not in _FUSED_ARRAYS and name not in arrays}
     for name, value in options.items():
-        _refuse_tracer(value, name, where)
+        _refuse_tracer(value, name, op_name)
     traced = is_traced(*arrays.values())
-    static = _Static(_number(rope["theta"], "theta", where),
-                     _hashable_scaling(rope["scaling"], where), rope["interleaved"],
+    static = _Static(_number(rope["theta"], "theta", op_name),
+                     _hashable_scaling(rope["scaling"], op_name), rope["interleaved"],
                      rope["rotary_dim"], rope["inverse"], validate and traced, rope["seq_len"])
     # Argument errors are raised now, while tracing, from the shapes and dtypes; values
     # (validate=True) now for concrete arrays, else where the call runs.
     infos = {name: _planning_info(x, name, read=validate and not traced)
              for name, x in arrays.items()}
-    f = _plan(where, static, options, infos, inplace=inplace,
+    f = _plan(op_name, static, options, infos, inplace=inplace,
               validate=validate and not traced).fusion
     # Canonical, hashable options for the callback (eps is ignored without the norm).
     options.update(out_dtype=f.out_dtype, eps=f.eps if f.norm else None,
                    weight_offset=f.weight_offset)
     if f.writes_cache:
         options.update(cache_dtype=f.cache_dtype)
-    fused = _Fused(where, static, tuple(sorted(options.items())), tuple(arrays))
+    fused = _Fused(op_name, static, tuple(sorted(options.items())), tuple(arrays))
     outs = _fused(fused, tuple(arrays.values()))
     if f.writes_cache:
         return outs
     return outs[0] if k is None else (outs[0], outs[1])
 
 
-def _as_jax(x, name: str, where: str = "apply_rope"):
+def _as_jax(x, name: str, op_name: str = "apply_rope"):
     if x is None or isinstance(x, (jax.Array, jax.core.Tracer)):
         return x
     if isinstance(x, np.ndarray):
         return jnp.asarray(x)
     raise TypeError(
-        f"{where}: {name} must be a JAX or NumPy array when another argument is a JAX array or "
+        f"{op_name}: {name} must be a JAX or NumPy array when another argument is a JAX array or "
         f"tracer, got {type(x).__module__}.{type(x).__qualname__}"
     )
 
 
-def _fused_array(x, name: str, where: str):
+def _fused_array(x, name: str, op_name: str):
     """An array argument of a fused call as a JAX array; a NumPy cache stays as it is, to be
     refused by the checks (it would not be written: the call returns new caches)."""
     if name in _CACHES and isinstance(x, np.ndarray):
         return x
-    return _as_jax(x, name, where)
+    return _as_jax(x, name, op_name)
 
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
-def _refuse_tracer(value, name: str, where: str) -> None:
+def _refuse_tracer(value, name: str, op_name: str) -> None:
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
-            f"{where}: {name} must be a concrete number (not a traced value), got "
+            f"{op_name}: {name} must be a concrete number (not a traced value), got "
             f"{type(value).__name__}"
         )
 
 
-def _number(value, name: str, where: str = "apply_rope") -> float:
-    _refuse_tracer(value, name, where)
-    return check_real(value, name, where)
+def _number(value, name: str, op_name: str = "apply_rope") -> float:
+    _refuse_tracer(value, name, op_name)
+    return check_real(value, name, op_name)
 
 
-def _hashable_scaling(scaling, where: str = "apply_rope") -> Scaling | None:
+def _hashable_scaling(scaling, op_name: str = "apply_rope") -> Scaling | None:
     frozen = Scaling.from_dict(scaling)
     try:
         hash(frozen)
     except TypeError:
-        raise TypeError(f"{where}: scaling holds a value JAX cannot take as a static "
+        raise TypeError(f"{op_name}: scaling holds a value JAX cannot take as a static "
                         f"argument (unhashable): {scaling!r}") from None
     return frozen
 
@@ -280,12 +280,12 @@ def _planning_info(x, name: str, *, read: bool):
     return info
 
 
-def _plan(where: str, static: _Static, options: dict, named: dict, *, inplace=False,
+def _plan(op_name: str, static: _Static, options: dict, named: dict, *, inplace=False,
           validate: bool):
     """The checked plan of a fused call from its arrays by name (ArrayInfos while tracing, NumPy
     or CuPy views of XLA's buffers in the callback)."""
     return plan_fused(
-        where, named["q"], named.get("k"), named.get("positions"),
+        op_name, named["q"], named.get("k"), named.get("positions"),
         rope=dict(static.call_options(), inplace=inplace,
                   **{name: named.get(name) for name in _TABLES}),
         fusion=dict(options, **{name: x for name, x in named.items()
@@ -454,7 +454,7 @@ def _fused_fwd(fused: _Fused, arrays: tuple):
             "rms_norm_rope or apply_rope, or pass inputs wrapped in jax.lax.stop_gradient")
     if options["out_dtype"] is not None:
         raise TypeError(
-            f"{fused.where}: fp8 outputs (out_dtype={options['out_dtype']!r}) have no gradient; "
+            f"{fused.op_name}: fp8 outputs (out_dtype={options['out_dtype']!r}) have no gradient; "
             "differentiate the call without out_dtype (and quantise its result), or pass inputs "
             "wrapped in jax.lax.stop_gradient")
     return _fused_call(fused, arrays), arrays
@@ -594,7 +594,7 @@ def _fused_callback(fused: _Fused):
                 if describe(out, name).ptr != describe(named[name], name).ptr:
                     out[...] = named[name]
             named["k_cache"], named["v_cache"] = outputs[rotated:]
-        plan = _plan(fused.where, fused.rope, options, named, validate=fused.rope.validate)
+        plan = _plan(fused.op_name, fused.rope, options, named, validate=fused.rope.validate)
         execute.rotate(plan, [_output_info(out, options["out_dtype"])
                               for out in outputs[:rotated]])
 
@@ -710,7 +710,7 @@ def _fused_jnp(*arrays, fused: _Fused):
     named = dict(zip(fused.names, arrays))
     options = dict(fused.options)
     infos = {name: _planning_info(x, name, read=False) for name, x in named.items()}
-    plan = _plan(fused.where, fused.rope, options, infos, validate=False)
+    plan = _plan(fused.op_name, fused.rope, options, infos, validate=False)
     scales = {name: named.get(name, options.get(name)) for name in _SCALES}
     return list(jax_lowering.fused(
         plan, *(named.get(name) for name in _ARGUMENTS),
@@ -782,7 +782,7 @@ def _native_fused_plan(ctx, fused: _Fused):
             info.writable = True
         elif name in _SCALES and info.size == 1:
             info.view = np.ones(info.shape, np.float32)
-    return _plan(fused.where, fused.rope, dict(fused.options), infos, validate=False)
+    return _plan(fused.op_name, fused.rope, dict(fused.options), infos, validate=False)
 
 
 @functools.lru_cache(maxsize=None)

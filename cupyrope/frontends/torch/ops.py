@@ -149,54 +149,54 @@ def _sharding_rules_ready() -> bool:
 # Arguments of the public functions as operator arguments
 
 
-def _rotation_args(where: str, positions, cos_sin_cache, cos, sin, theta, scaling, interleaved,
+def _rotation_args(op_name: str, positions, cos_sin_cache, cos, sin, theta, scaling, interleaved,
                    rotary_dim, inverse, seq_len) -> dict:
     """The ``ROTATION_SCHEMA`` arguments of a call, by name, checked and encoded (the scaling
     dict as text + numbers)."""
     tables = (positions, cos_sin_cache, cos, sin)
     for value, name in zip(tables, _TABLE_ARGS):
         if value is not None:
-            _check_tensor(value, name, where)
+            _check_tensor(value, name, op_name)
     named = dict(zip(_TABLE_ARGS, tables))
-    named.update(zip(("scaling", "scaling_numbers"), scaling_op_args(scaling, where)))
-    named.update(theta=_number(theta, "theta", where),
-                 interleaved=check_bool(interleaved, "interleaved", where),
-                 rotary_dim=_optional_int(rotary_dim, "rotary_dim", where),
-                 inverse=check_bool(inverse, "inverse", where),
-                 seq_len=_optional_int(seq_len, "seq_len", where))
+    named.update(zip(("scaling", "scaling_numbers"), scaling_op_args(scaling, op_name)))
+    named.update(theta=_number(theta, "theta", op_name),
+                 interleaved=check_bool(interleaved, "interleaved", op_name),
+                 rotary_dim=_optional_int(rotary_dim, "rotary_dim", op_name),
+                 inverse=check_bool(inverse, "inverse", op_name),
+                 seq_len=_optional_int(seq_len, "seq_len", op_name))
     return named
 
 
-def _check_tensor(x, name: str, where: str = "apply_rope") -> None:
+def _check_tensor(x, name: str, op_name: str = "apply_rope") -> None:
     if not isinstance(x, Tensor):
         raise TypeError(
-            f"{where}: {name} must be a torch tensor when q and k are torch tensors that require "
+            f"{op_name}: {name} must be a torch tensor when q and k are torch tensors that require "
             f"grad or inside torch.compile, got {type(x).__module__}.{type(x).__qualname__}"
         )
 
 
-def _number(value, name: str, where: str = "apply_rope"):
+def _number(value, name: str, op_name: str = "apply_rope"):
     """A float for the schema (a symbolic float under torch.compile stays as it is); its range
     (finite, > 0) is checked where the call runs."""
     if isinstance(value, torch.SymFloat):
         return value
-    return check_real(value, name, where)
+    return check_real(value, name, op_name)
 
 
-def _optional_int(value, name: str, where: str = "apply_rope"):
+def _optional_int(value, name: str, op_name: str = "apply_rope"):
     if value is None or isinstance(value, torch.SymInt):
         return value
-    return check_int(value, name, where)
+    return check_int(value, name, op_name)
 
 
-def _scale_args(value, name: str, where: str) -> dict:
+def _scale_args(value, name: str, op_name: str) -> dict:
     """An fp8 scale as the pair of operator arguments ``{name}_tensor`` (a 0-d / one-element
     float32 tensor, vLLM's convention) and ``{name}`` (a Python number); at most one is set."""
     if value is None:
         return {f"{name}_tensor": None, name: None}
     if isinstance(value, Tensor):
         return {f"{name}_tensor": value, name: None}
-    return {f"{name}_tensor": None, name: _number(value, name, where)}
+    return {f"{name}_tensor": None, name: _number(value, name, op_name)}
 
 
 def _scale_from_args(named: dict, name: str):
@@ -296,20 +296,20 @@ def _copy_back(q, k, q_out, k_out):
     return q, k
 
 
-def _check_inplace_autograd(x, name: str, where: str = "apply_rope") -> None:
+def _check_inplace_autograd(x, name: str, op_name: str = "apply_rope") -> None:
     """torch's own rule for in-place ops, checked before the kernel writes anything."""
     if x is None or not x.requires_grad:
         return
     if x.is_leaf:
         raise RuntimeError(
-            f"{where}: inplace=True on {name}, a leaf tensor that requires grad; autograd "
+            f"{op_name}: inplace=True on {name}, a leaf tensor that requires grad; autograd "
             "cannot record an in-place change of a leaf (as for torch's own in-place ops): rotate "
             "out of place, or in place on a non-leaf (e.g. the output of the QKV projection)"
         )
     base = x._base
     if base is not None and base.is_leaf and base.requires_grad:
         raise RuntimeError(
-            f"{where}: inplace=True on {name}, a view of a leaf tensor that requires grad; "
+            f"{op_name}: inplace=True on {name}, a view of a leaf tensor that requires grad; "
             "autograd cannot record an in-place change of it (as for torch's own in-place ops)"
         )
     if x._is_view() and _creation_meta(x) != "DEFAULT":
@@ -317,7 +317,7 @@ def _check_inplace_autograd(x, name: str, where: str = "apply_rope") -> None:
         # (split, chunk, unbind), or made under no_grad / inference mode; it raises only after the
         # write, so the same rule is checked here, before anything is written.
         raise RuntimeError(
-            f"{where}: inplace=True on {name}, a view of a tensor that requires grad made "
+            f"{op_name}: inplace=True on {name}, a view of a tensor that requires grad made "
             f"{_CREATION_REASONS.get(_creation_meta(x), 'in a way autograd cannot rebase')}; "
             "autograd cannot record an in-place change of it (as for torch's own in-place ops): "
             "take q and k with slicing or narrow() instead, or rotate out of place"
@@ -342,25 +342,25 @@ def _creation_meta(x) -> str:
 # The public entry for torch tensors: the fused ops
 
 
-def run_fused(where, q, k, positions, *, rope: dict, fusion: dict, validate: bool):
+def run_fused(op_name, q, k, positions, *, rope: dict, fusion: dict, validate: bool):
     """A fused op (``rms_norm_rope``, ``rope_and_cache``, ``apply_rope(out_dtype=...)``) on torch
     tensors, through its operator: called by :func:`cupyrope.execute.run_fused`'s router for calls
     traced by torch.compile and for tensors that require grad. Same arguments, results and errors
     as the public functions; ``rope`` and ``fusion`` are the dicts they build."""
-    named = fused_op_args(where, q, k, positions, rope, fusion, validate)
+    named = fused_op_args(op_name, q, k, positions, rope, fusion, validate)
     _sharding_rules_ready()
-    inplace = check_bool(rope["inplace"], "inplace", where)
+    inplace = check_bool(rope["inplace"], "inplace", op_name)
     if inplace and named["out_dtype"] is not None:
-        raise ValueError(f"{where}: an fp8 out_dtype needs new outputs: pass inplace=False")
-    op = _FUSED_OPS[(where, inplace and where != "apply_rope")]  # apply_rope: out of place only
+        raise ValueError(f"{op_name}: an fp8 out_dtype needs new outputs: pass inplace=False")
+    op = _FUSED_OPS[(op_name, inplace and op_name != "apply_rope")]  # apply_rope: out of place only
     graded = [name for name in ("q", "k", "q_weight", "k_weight", "v", "k_cache", "v_cache",
                                 "q_scale_tensor", "k_scale_tensor", "v_scale_tensor")
               if needs_autograd(named.get(name))]
-    if graded and not (where == "rms_norm_rope" and named["out_dtype"] is None):
-        what = ("the KV-cache write" if where == "rope_and_cache" else
+    if graded and not (op_name == "rms_norm_rope" and named["out_dtype"] is None):
+        what = ("the KV-cache write" if op_name == "rope_and_cache" else
                 f"fp8 outputs (out_dtype={named['out_dtype']!r})")
         raise NotImplementedError(
-            f"{where}: no gradient for {what}, but {', '.join(graded)} "
+            f"{op_name}: no gradient for {what}, but {', '.join(graded)} "
             f"{'requires' if len(graded) == 1 else 'require'} grad; call it under "
             "torch.no_grad() or on detached tensors (apply_rope, and rms_norm_rope without "
             "out_dtype, are differentiable)")
@@ -368,19 +368,19 @@ def run_fused(where, q, k, positions, *, rope: dict, fusion: dict, validate: boo
         return _norm_in_place_under_autograd(q, k, named, rope)
     outputs = op.call(named)
     q_out, k_out = (q, k) if op.inplace else outputs
-    if where == "rope_and_cache":
+    if op_name == "rope_and_cache":
         return q_out, k_out, named["k_cache"], named["v_cache"]
     return q_out if k is None else (q_out, k_out)
 
 
-def fused_op_args(where, q, k, positions, rope: dict, fusion: dict, validate) -> dict:
+def fused_op_args(op_name, q, k, positions, rope: dict, fusion: dict, validate) -> dict:
     """Every operator argument of a fused call, by name, checked and encoded."""
-    _check_tensor(q, "q", where)
+    _check_tensor(q, "q", op_name)
     if k is not None:
-        _check_tensor(k, "k", where)
+        _check_tensor(k, "k", op_name)
     options = {name: value for name, value in rope.items() if name != "inplace"}
-    named = dict(q=q, k=k, validate=check_bool(validate, "validate", where),
-                 **_rotation_args(where, positions, **options))
+    named = dict(q=q, k=k, validate=check_bool(validate, "validate", op_name),
+                 **_rotation_args(op_name, positions, **options))
     for name in _TABLE_ARGS[1:]:  # tables get no gradient (as for apply_rope)
         if named[name] is not None:
             named[name] = named[name].detach()
@@ -388,22 +388,22 @@ def fused_op_args(where, q, k, positions, rope: dict, fusion: dict, validate) ->
     if "q_weight" in fusion:
         eps = fusion["eps"]
         named.update(q_weight=fusion["q_weight"], k_weight=fusion["k_weight"],
-                     eps=None if eps is None else _number(eps, "eps", where),
-                     weight_offset=_number(fusion["weight_offset"], "weight_offset", where))
-    named["out_dtype"] = fp8_name(fusion["out_dtype"], "out_dtype", where)
+                     eps=None if eps is None else _number(eps, "eps", op_name),
+                     weight_offset=_number(fusion["weight_offset"], "weight_offset", op_name))
+    named["out_dtype"] = fp8_name(fusion["out_dtype"], "out_dtype", op_name)
     for name in _SCALES[:2]:
-        named.update(_scale_args(fusion[name], name, where))
+        named.update(_scale_args(fusion[name], name, op_name))
     if "k_cache" in fusion:
         arrays += ["v", "k_cache", "v_cache", "slot_mapping"]
         named.update({name: fusion[name] for name in ("v", "k_cache", "v_cache", "slot_mapping")})
         if fusion["layout"] not in LAYOUTS:
-            raise ValueError(f"{where}: layout must be one of {LAYOUTS}, got {fusion['layout']!r}")
+            raise ValueError(f"{op_name}: layout must be one of {LAYOUTS}, got {fusion['layout']!r}")
         named.update(layout=fusion["layout"],
-                     cache_dtype=fp8_name(fusion["cache_dtype"], "cache_dtype", where),
-                     **_scale_args(fusion["v_scale"], "v_scale", where))
+                     cache_dtype=fp8_name(fusion["cache_dtype"], "cache_dtype", op_name),
+                     **_scale_args(fusion["v_scale"], "v_scale", op_name))
     for name in arrays:
         if named[name] is not None:
-            _check_tensor(named[name], name, where)
+            _check_tensor(named[name], name, op_name)
     return named
 
 
@@ -551,11 +551,11 @@ class _AlreadyRotated(torch.autograd.Function):
 @dataclass
 class FusedOp:
     """One fused operator: its name in the ``cupyrope`` namespace, the public function it serves
-    (``where``: error messages and plan), whether it writes q and k in place, and its schema. Its
+    (``op_name``: error messages and plan), whether it writes q and k in place, and its schema. Its
     implementation and fake take the schema's arguments by name (``arguments``, in order)."""
 
     name: str
-    where: str
+    op_name: str
     inplace: bool
     schema: str
     arguments: tuple[str, ...] = field(init=False)
@@ -576,9 +576,9 @@ class FusedOp:
         """Real implementation: :func:`cupyrope.execute.run_fused` with the router off."""
         named = dict(zip(self.arguments, args))
         q, k = named["q"].detach(), None if named["k"] is None else named["k"].detach()
-        result = execute.run_fused(self.where, q, k, named["positions"],
+        result = execute.run_fused(self.op_name, q, k, named["positions"],
                                    rope=_rope_of(named, self.inplace),
-                                   fusion=_fusion_of(self.where, named),
+                                   fusion=_fusion_of(self.op_name, named),
                                    validate=named["validate"], router=None)
         if self.inplace:
             return None
@@ -609,7 +609,7 @@ def _rope_of(named: dict, inplace: bool) -> dict:
     return rope
 
 
-def _fusion_of(where: str, named: dict) -> dict:
+def _fusion_of(op_name: str, named: dict) -> dict:
     """The ``fusion`` dict of :func:`cupyrope.execute.run_fused` from operator arguments."""
     fusion = {"out_dtype": named["out_dtype"]}
     scales = _SCALES if "k_cache" in named else _SCALES[:2]
@@ -617,7 +617,7 @@ def _fusion_of(where: str, named: dict) -> dict:
     if "q_weight" in named:
         fusion.update({name: named[name] for name in ("q_weight", "k_weight", "eps",
                                                       "weight_offset")})
-        fusion["norm"] = (where == "rms_norm_rope" or named["q_weight"] is not None
+        fusion["norm"] = (op_name == "rms_norm_rope" or named["q_weight"] is not None
                           or named["k_weight"] is not None)
     if "k_cache" in named:
         fusion.update({name: named[name] for name in ("v", "k_cache", "v_cache", "slot_mapping",
@@ -645,7 +645,7 @@ FUSED_OPS = (
                           inplace=True)),
 )
 # (public function, writes q and k in place) -> its operator
-_FUSED_OPS = {(op.where, op.inplace): op for op in FUSED_OPS}
+_FUSED_OPS = {(op.op_name, op.inplace): op for op in FUSED_OPS}
 
 
 # ----------------------------------------------------------------------------------------------
