@@ -64,6 +64,7 @@ def _ulps(out: np.ndarray, exact: np.ndarray, pair: np.ndarray, dtype: str) -> f
 
 
 COMMANDS = ("demo", "bench")
+BENCH_PROG, BENCH_OUT = "python -m cupyrope bench", "cupyrope-bench"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,13 +72,16 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m cupyrope",
         description="Rotary Position Embedding kernels: the demo (default) or the benchmark sweep.")
     parser.add_argument("--version", action="version", version=f"cupyrope {cr.__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}",
+                                     help="the command (default: demo)")
     demo = commands.add_parser("demo", help="rotate a Llama-sized batch and check it against float64")
     demo.add_argument("--tokens", type=_positive_int, default=4096, help="tokens (default 4096)")
-    demo.add_argument("--dtype", default="bfloat16", choices=sorted(ULP_BOUND))
+    demo.add_argument("--dtype", default="bfloat16", choices=sorted(ULP_BOUND),
+                      help="dtype of q, k and the outputs (default bfloat16)")
     demo.add_argument("--cpu", action="store_true", help="use the NumPy path even with a GPU")
-    # The sweep's options, --help included, belong to cupyrope.bench.cli: main() hands it every
-    # argument after "bench" (parse_known_args leaves them over).
+    # The sweep's options, --help included, belong to cupyrope.bench.options: main() checks every
+    # argument after "bench" (parse_known_args leaves them over) with that parser, then hands them
+    # to cupyrope.bench.cli.
     commands.add_parser("bench", add_help=False,
                         help="the benchmark sweep on a GPU (python -m cupyrope bench --help)")
     return parser
@@ -85,8 +89,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in (*COMMANDS, "-h", "--help", "--version"):
-        argv = ["demo", *argv]  # the demo is the default command
+    # The demo is the default command: no arguments, or options only. A first word that is no
+    # option is a command, and argparse names an unknown one as an invalid choice.
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
+        argv = ["demo", *argv]
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
@@ -97,14 +103,19 @@ def main(argv=None) -> int:
 
 
 def _bench(argv) -> int:
-    if "-h" not in argv and "--help" not in argv and not _gpu_available():
-        print("python -m cupyrope bench: the benchmarks need a CUDA GPU with CuPy and torch, and "
-              "no usable GPU was found here (CuPy is not installed, or cupy.is_available() is false)",
-              file=sys.stderr)
-        return 2
-    from cupyrope.bench.cli import main as bench_main  # imported only for this command
+    if "-h" not in argv and "--help" not in argv:  # help needs no GPU: the sweep's parser shows it
+        from cupyrope.bench.options import build_parser  # imported only for this command
 
-    return bench_main(argv, prog="python -m cupyrope bench", default_out="cupyrope-bench")
+        # Bad arguments end in argparse's usage error (exit 2) before the GPU is looked for.
+        build_parser(prog=BENCH_PROG, default_out=BENCH_OUT).parse_args(argv)
+        if not _gpu_available():
+            print(f"{BENCH_PROG}: the benchmarks need a CUDA GPU with CuPy and torch, and no "
+                  "usable GPU was found here (CuPy is not installed, or cupy.is_available() is "
+                  "false)", file=sys.stderr)
+            return 2
+    from cupyrope.bench.cli import main as bench_main
+
+    return bench_main(argv, prog=BENCH_PROG, default_out=BENCH_OUT)
 
 
 def _demo(args) -> int:

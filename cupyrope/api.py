@@ -1,15 +1,9 @@
-"""The public entry point, :func:`apply_rope`, and the one place where a call is routed.
+"""The public functions (:func:`apply_rope`, :func:`rms_norm_rope`, :func:`rope_and_cache`) and the
+one place where a call is routed: ``torch.compile`` tracing, autograd and DTensors to
+``cupyrope.frontends.torch.ops``, JAX tracers to ``cupyrope.frontends.jax.ops``, everything else
+straight to :func:`cupyrope.execute.run`, where every route ends.
 
-A call goes to one of three places, decided here once:
-
-- inside ``torch.compile`` / ``torch.export`` tracing: the traceable torch custom op
-  (``cupyrope.frontends.torch.ops``);
-- torch tensors that require grad (grad mode on): the differentiable custom ops, and JAX tracers
-  (``jax.grad``, ``jax.jit``, ``jax.vmap``): ``cupyrope.frontends.jax.ops``;
-- everything else: :func:`cupyrope.execute.run` directly.
-
-Both framework routes end in :func:`cupyrope.execute.run` too, so every call is checked, planned
-and launched by the same code.
+Design notes: docs/architecture.md#apipy
 """
 
 from __future__ import annotations
@@ -44,7 +38,8 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
         Same leading (token) dims and dtype as q; any number of heads (GQA, MQA).
     positions : int32 or int64 array, optional
         Broadcastable to ``q.shape[:-2]``: ``(T,)`` for ``(T, H, D)``, ``(S,)`` or ``(B, S)`` for
-        ``(B, S, H, D)``, ``(S, 1)`` for ``(S, B, H, D)``. None means ``arange`` along axis -3 of q.
+        ``(B, S, H, D)``, ``(S, 1)`` for ``(S, B, H, D)``. None means ``arange`` along axis -3 of q
+        (a q of shape ``(H, D)``, with no token dim, then raises: pass positions).
         Negative positions rotate backwards when angles are computed in the kernel.
     cos_sin_cache : array, shape ``(max_position, rotary_dim)``, optional
         vLLM/FlashInfer layout: ``[:, :rotary_dim // 2]`` cos, ``[:, rotary_dim // 2:]`` sin,
@@ -131,7 +126,8 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
 
 def _compiling_before_torch() -> bool:
     """False until torch is imported; then ``torch.compiler.is_compiling`` takes this function's
-    place (one call, ~0.07 us, ahead of the repeat-call path)."""
+    place (one cheap call ahead of the repeat-call path;
+    measured: docs/perf_log.md#cupyropeapipy)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return False
@@ -281,7 +277,9 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
     slot_mapping : int64 or int32 array, shape ``(T,)``
         Token t goes to block ``slot // block_size``, row ``slot % block_size``. Negative slots
         (padding) write nothing; slots past the cache are skipped too (``validate=True`` raises
-        IndexError for them instead). Slots must be distinct.
+        IndexError for them instead). Slots must be distinct: ``validate=True`` raises
+        ValueError for a slot given to two tokens; without it nothing is checked, the NumPy
+        path keeps the last token's row and on the GPU which token's row lands is unspecified.
     k_scale, v_scale : float or one-element float32 array
         fp8 scales of the caches (stored = value / scale); ``k_scale`` also scales an fp8 k_out.
     q_weight, k_weight, eps, weight_offset

@@ -1,13 +1,10 @@
 """The one execution path that every route shares: arrays in, a checked plan, the kernel launch (or
 the NumPy path on the CPU), results out.
 
-:func:`run` is what the eager call, the torch custom ops and the JAX callbacks all come down to. It
-tries the repeat-call path first (``cupyrope.cuda.recipes``: a launch replayed from an earlier call of
-the same layout), then checks and plans the call in full (``cupyrope.core.plan``), allocates outputs in
-the caller's array type (``cupyrope.core.arrays``) and rotates on the GPU (``cupyrope.cuda.launch``) or the
-host (``cupyrope.core.numpy_path``). Routing to a framework's own machinery (autograd, tracing) is
-decided once, by the caller of :func:`run`, through its ``router`` argument: nothing here imports
-a route.
+:func:`run` (:func:`run_fused` for the fused ops) replays a repeat-call recipe when it has one,
+else plans in full; its caller's ``router`` sends traced or differentiated calls to a frontend.
+
+Design notes: docs/architecture.md#executepy
 """
 
 from __future__ import annotations
@@ -27,7 +24,8 @@ def run(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, interleaved, r
     else) the full one. ``router(q, k, positions, cos_sin_cache, cos, sin)`` returns the module
     whose ``apply_rope`` must take the call instead (autograd, tracing), or None. ``out``: the
     arrays to write the results into (q_out, or (q_out, k_out)). Every argument may be passed by
-    position: the eager call does, keyword arguments cost a repeat call ~0.4 us."""
+    position: the eager call does, keyword arguments make a repeat call measurably slower
+    (measured: docs/perf_log.md#cupyropeexecutepy)."""
     if out is not None and inplace is True:
         raise ValueError("apply_rope: pass inplace=True (write into q and k) or out= (write into "
                          "other arrays), not both")

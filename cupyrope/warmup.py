@@ -55,9 +55,9 @@ def warmup(dtypes: Iterable[Any] = ("bfloat16", "float16", "float32"), *,
         inv_freq, _ = compute_frequencies(rotary_dim, theta=DEFAULT_THETA if theta is None else theta,
                                           scaling=scaling, seq_len=seq_len, op_name="warmup")
     require_gpu("warmup")
-    count = compiler.warmup(dtypes, table_dtypes=table_dtypes, sources=sources,
-                           interleaved=interleaved, vector=vector, wide_index=wide_index,
-                           device=device)
+    count = compiler.compile_specialisations(dtypes, table_dtypes=table_dtypes, sources=sources,
+                                             interleaved=interleaved, vector=vector,
+                                             wide_index=wide_index, device=device)
     if inv_freq is not None:
         device_id = compiler.current_device() if device is None else int(device)
         device_constants.inv_freq(device_id, inv_freq)

@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import cupyrope as cr  # noqa: E402
 from cupyrope.core.dtypes import numpy_dtype, round_once  # noqa: E402
 from cupyrope.core.frequencies import cos_sin_table  # noqa: E402
+from cupyrope.core.schedules import scaling_type  # noqa: E402
 
 SOURCES = ("table", "in-kernel", "fp32 angle")
 ROTATION_DTYPES = ("bfloat16", "float32")
@@ -158,7 +159,7 @@ def library_rotation(device: Device, x: np.ndarray, positions: np.ndarray, sourc
                             cos_sin_cache=device.put(table))
     else:
         # Only the length-dependent schedules take seq_len (apply_rope refuses it elsewhere).
-        reads_seq_len = cr.frequencies.scaling_type(scaling, "accuracy_report") in ("dynamic", "longrope")
+        reads_seq_len = scaling_type(scaling, "accuracy_report") in ("dynamic", "longrope")
         out = cr.apply_rope(device.put(x), positions=device.put(positions), theta=theta,
                             scaling=scaling, seq_len=seq_len if reads_seq_len else None)
     return device.get(out)

@@ -44,6 +44,108 @@ def test_cli_tokens_must_be_positive(tokens, capsys):
     assert "expected a positive integer" in capsys.readouterr().err
 
 
+def test_cli_tokens_error_reads_like_argparse(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--tokens", "abc"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --tokens: invalid positive integer value: 'abc'" in err
+    assert "_positive_int" not in err and "Traceback" not in err
+
+
+class RecordingBar:
+    """Stands in for tqdm's bar: keeps its total, descriptions, updates and notes."""
+
+    def __init__(self, total, **options):
+        self.total, self.options = total, options
+        self.descriptions, self.updates, self.notes, self.closed = [], 0, [], False
+
+    def set_description(self, text):
+        self.descriptions.append(text)
+
+    def update(self, n=1):
+        self.updates += n
+
+    def write(self, text, file=None):
+        self.notes.append(text)
+        print(text, file=file)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def bars(monkeypatch):
+    """The bars the sweeps open, each a :class:`RecordingBar`."""
+    from cupyrope.bench import progress
+
+    made = []
+    monkeypatch.setattr(progress, "tqdm", lambda total, **options: made.append(
+        RecordingBar(total, **options)) or made[-1])
+    return made
+
+
+def test_progress_without_tqdm_prints_notes_to_stderr(monkeypatch, capsys):
+    from cupyrope.bench import progress
+
+    monkeypatch.setattr(progress, "tqdm", None)
+    with progress.Progress(2) as bar:
+        bar.case("T=8 copy")
+        bar.note("T=8 copy: skipped (no GPU)")
+        bar.done()
+    assert capsys.readouterr().err == "T=8 copy: skipped (no GPU)\n"
+
+
+def test_progress_bar_counts_cases_and_writes_notes_above_it(bars, capsys):
+    from cupyrope.bench import progress
+
+    with progress.Progress(3, enabled=False) as bar:
+        bar.case("T=8 copy")
+        bar.note("a note")
+        bar.done()
+    (made,) = bars
+    assert (made.total, made.options["disable"], made.updates, made.closed) == (3, True, 1, True)
+    assert made.descriptions == ["T=8 copy"] and made.notes == ["a note"]
+    assert capsys.readouterr().err == "a note\n"
+
+
+@pytest.fixture
+def cpu_fused_sweep(monkeypatch):
+    """fused_sweep on CPU tensors with a fake GPU clock: the copy takes 2 µs, the rest 4 µs."""
+    from cupyrope.bench import fused
+
+    monkeypatch.setattr(fused, "require_cuda", lambda: torch)
+    real_data = fused.FusedData
+    monkeypatch.setattr(fused, "FusedData", lambda tokens: real_data(tokens, device="cpu"))
+
+    def fake_gpu_time_us(fn, *, rotate_inputs, repeats):
+        fn(*rotate_inputs[0])  # the workload must run
+        return 2.0 if fn.__name__ == "copy" else 4.0
+
+    monkeypatch.setattr(fused, "gpu_time_us", fake_gpu_time_us)
+    return fused
+
+
+@pytest.mark.parametrize("with_tqdm", [True, False], ids=["tqdm", "no-tqdm"])
+def test_fused_sweep_shows_its_progress(cpu_fused_sweep, bars, monkeypatch, capsys, with_tqdm):
+    fused = cpu_fused_sweep
+    if not with_tqdm:
+        from cupyrope.bench import progress
+
+        monkeypatch.setattr(progress, "tqdm", None)
+    impls = ("copy", "cupyrope-fused", "unfused-eager")
+    rows = fused.fused_sweep([16], ops=("rms_norm_rope", "fp8 out"), impls=impls, repeats=1)
+    assert [(r.op, r.impl, r.pct_of_copy) for r in rows] == [
+        (op, impl, 100.0 if impl == "copy" else 50.0)
+        for op in ("rms_norm_rope", "fp8 out") for impl in impls]
+    if with_tqdm:
+        (bar,) = bars
+        assert bar.total == bar.updates == 6 and bar.closed
+        assert bar.descriptions[:2] == ["T=16 rms_norm_rope copy", "T=16 rms_norm_rope cupyrope-fused"]
+    else:
+        assert bars == []
+
+
 @pytest.fixture
 def cpu_sweep(monkeypatch):
     """reference_sweep on CPU tensors with a fake GPU clock: the copy takes 2 µs, the rest 4 µs;
@@ -74,7 +176,9 @@ def test_sweep_notes_skips_and_failures_and_keeps_measuring(cpu_sweep, monkeypat
     if with_tqdm:
         pytest.importorskip("tqdm")
     else:
-        monkeypatch.setattr(sweep, "tqdm", None)
+        from cupyrope.bench import progress
+
+        monkeypatch.setattr(progress, "tqdm", None)
     failures: list[str] = []
     rows = sweep.reference_sweep([8], impls=["cupyrope-tables", "cupyrope-cache", "liger-inplace"],
                                  failures=failures)
@@ -88,6 +192,15 @@ def test_sweep_notes_skips_and_failures_and_keeps_measuring(cpu_sweep, monkeypat
     assert rows[1].gbps == pytest.approx(data.bytes_moved("cache") / 4.0 / 1e3)
     assert rows[0].max_abs_err is None
     assert workloads.error_is_acceptable(rows[1].max_abs_err, "bfloat16")
+
+
+def test_sweep_bar_counts_the_cases_that_run(cpu_sweep, bars, capsys):
+    sweep.reference_sweep([8, 64], impls=["cupyrope-cache", "liger-inplace"])
+    (bar,) = bars
+    # liger-inplace is skipped from the start: per T the copy and cupyrope-cache run.
+    assert bar.total == bar.updates == 4 and bar.closed
+    assert bar.descriptions == ["T=8 copy", "T=8 cupyrope-cache", "T=64 copy", "T=64 cupyrope-cache"]
+    assert bar.notes[0].startswith("skipping liger-inplace:")
 
 
 def _markdown_rows(text: str) -> list[list[str]]:
@@ -176,9 +289,9 @@ def test_fused_workloads_agree_with_the_unfused_sequences(op):
 
 
 def test_decode_and_host_targets_are_the_contracts_ratios():
-    """SPEC §4 as ratios to the copy of the same run: decode <= 1.15x the SM copy at T = 1 and 32,
-    <= 1.05x at 512 (cache, tables), <= 1.3x computed; host <= 1.2x torch.mul in place and with
-    out=, <= 1.5x out of place; no target for the copy or the peers."""
+    """The performance targets as ratios to the copy of the same run: decode <= 1.15x the SM copy
+    at T = 1 and 32, <= 1.05x at 512 (cache, tables), <= 1.3x computed; host <= 1.2x torch.mul in
+    place and with out=, <= 1.5x out of place; no target for the copy or the peers."""
     ratio = workloads.decode_target_ratio
     assert [ratio(t, "cupyrope-cache") for t in (1, 32, 512)] == [1.15, 1.15, 1.05]
     assert [ratio(t, "cupyrope-tables") for t in (1, 32, 512)] == [1.15, 1.15, 1.05]
@@ -357,6 +470,83 @@ def test_jax_sweep_on_cpu_collects_rows(monkeypatch, jax_data):
     (row,) = rows
     assert set(row.wall_us) == set(row.gpu_us) == {"jnp-copy", "cupyrope-native"}
     assert set(row.max_abs_err) == {"cupyrope-native"} and row.torch_gpu_us == 2.5
+
+
+@pytest.mark.parametrize("with_tqdm", [True, False], ids=["tqdm", "no-tqdm"])
+def test_jax_sweep_shows_its_progress(monkeypatch, jax_data, bars, capsys, with_tqdm):
+    if not with_tqdm:
+        from cupyrope.bench import progress
+
+        monkeypatch.setattr(progress, "tqdm", None)
+    monkeypatch.setattr(jax_steps, "require_jax_gpu", lambda: None)
+    monkeypatch.setattr(jax_steps, "JaxRopeData", lambda shape: jax_data)
+    monkeypatch.setattr(jax_steps, "dispatch_calls", lambda tokens: 3)
+
+    def no_torch_path(tokens, repeats):
+        raise jax_steps.Unavailable("no torch CUDA here")
+
+    monkeypatch.setattr(jax_steps, "torch_graph_time_us", no_torch_path)
+    rows = jax_steps.jax_sweep([3, 3], impls=("jnp-copy",), repeats=1)
+    assert [set(row.wall_us) for row in rows] == [{"jnp-copy"}] * 2
+    assert capsys.readouterr().err.count("T=3 torch path: skipped (no torch CUDA here)") == 2
+    if with_tqdm:
+        (bar,) = bars
+        assert bar.total == bar.updates == 4 and bar.closed  # 2 T x (1 step + the torch path)
+        assert bar.descriptions == ["T=3 jnp-copy", "T=3 torch path"] * 2
+        assert len(bar.notes) == 2
+    else:
+        assert bars == []
+
+
+def _made_up_jax_rows():
+    return [jax_steps.JaxRow(t, wall_us={"jnp-copy": 8.0 * t, "xla-hf": 9.0 * t,
+                                         "cupyrope-native": 8.5 * t},
+                             gpu_us={"jnp-copy": 1.0 * t, "cupyrope-native": 1.2 * t},
+                             torch_gpu_us=1.1 * t)
+            for t in (1, 32, 4096)] + [jax_steps.JaxRow(65536)]  # a T where nothing ran
+
+
+def test_plot_jax_draws_the_made_up_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = str(tmp_path / "jax.png")
+    assert jax_steps.plot_jax(_made_up_jax_rows(), path, gpu_name="Test GPU") == path
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_fused_draws_the_made_up_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    from cupyrope.bench import fused
+
+    rows = [fused.FusedRow(op, impl, t, 4.0, 100.0, pct)
+            for op in ("rms_norm_rope", "fp8 out") for t in (4096, 16384)
+            for impl, pct in (("copy", 100.0), ("cupyrope-fused", 95.0))]
+    path = str(tmp_path / "fused.png")
+    assert fused.plot_fused(rows, path, gpu_name="Test GPU") == path
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("with_matplotlib", [True, False], ids=["matplotlib", "no-matplotlib"])
+def test_cli_jax_writes_its_table_json_and_plot(monkeypatch, tmp_path, capsys, with_matplotlib):
+    if with_matplotlib:
+        pytest.importorskip("matplotlib")
+    else:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)  # the command sets it
+    monkeypatch.setattr(cli, "require_jax_gpu", lambda: None)
+    monkeypatch.setattr(cli, "jax_sweep", lambda tokens, **options: _made_up_jax_rows())
+    monkeypatch.setattr(cli, "jax_device_name", lambda: "Test GPU")
+    monkeypatch.setattr(cli, "jax_environment", lambda: {"jax": "0.0"})
+    assert cli.main(["--jax", "--tokens", "1", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "jax_sweep.md").exists() and (tmp_path / "jax_sweep.json").exists()
+    captured = capsys.readouterr()
+    if with_matplotlib:
+        assert (tmp_path / "jax_sweep.png").exists()
+        assert f"plot: {tmp_path / 'jax_sweep.png'}" in captured.out
+    else:
+        assert not (tmp_path / "jax_sweep.png").exists()
+        assert "no plot:" in captured.err
 
 
 def test_cli_jax_without_a_jax_gpu_says_so(capsys):

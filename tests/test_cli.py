@@ -3,6 +3,7 @@ GPU; ``warmup`` without a GPU. These run on any machine (the demo takes the NumP
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -80,6 +81,61 @@ def test_bench_hands_its_arguments_to_the_benchmark_cli(monkeypatch):
     rest = ["--repeats", "3", "--tokens", "8", "--out=sweep", "--no-check", "--cpu", "-h"]
     assert cli.main(["bench", *rest]) == 0
     assert calls[-1] == (rest, "python -m cupyrope bench", "cupyrope-bench")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "abc"], "argument --tokens: invalid positive integer value: 'abc'"),
+    (["--tokens", "0"], "argument --tokens: expected a positive integer, got 0"),
+    (["--repeats", "2", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+])
+def test_bench_rejects_bad_arguments_before_it_looks_for_a_gpu(monkeypatch, capsys, argv, message):
+    looked = []
+    monkeypatch.setattr(cli, "_gpu_available", lambda: looked.append(True) or False)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", *argv])
+    assert exit_info.value.code == 2 and looked == []
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m cupyrope bench ") and message in err
+    assert "need a CUDA GPU" not in err and "_positive_int" not in err
+
+
+def test_bench_with_a_bad_argument_prints_a_usage_error_on_any_machine():
+    result = run("bench", "--tokens", "abc")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "argument --tokens: invalid positive integer value: 'abc'" in result.stderr
+    assert "need a CUDA GPU" not in result.stderr
+
+
+def test_an_unknown_command_is_an_invalid_choice(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["frobnicate"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'frobnicate' (choose from 'demo', 'bench')" in err
+    assert "unrecognized arguments" not in err
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    """``parser`` and, depth first, the parsers of its sub-commands."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_option_of_every_command_has_help():
+    from cupyrope.bench.options import build_parser
+
+    roots = [cli._parser(), build_parser(prog="python -m cupyrope bench", default_out="out")]
+    missing = []
+    for parser in (p for root in roots for p in _parsers(root)):
+        actions = list(parser._actions)
+        for action in parser._actions:
+            actions += getattr(action, "_choices_actions", [])  # a sub-command's help line
+        missing += [f"{parser.prog}: {'/'.join(a.option_strings) or a.dest}" for a in actions
+                    if not a.help or a.help == argparse.SUPPRESS]
+    assert missing == []
 
 
 def test_the_demo_refuses_arguments_it_does_not_know():

@@ -1,5 +1,5 @@
 """JAX transformations through apply_rope on the CPU: jax.grad (custom_vjp), jax.jit and jax.vmap
-(jax.experimental.buffer_callback, see cupyrope/frontends/jax/ops.py).
+(see cupyrope/frontends/jax/ops.py and docs/jax_internals.md).
 
 - gradients are the float64 reference's inverse rotation of the cotangent, for every angle source,
   both pairings, partial rotary, q and k; they agree with jax.grad of a pure jax.numpy formulation

@@ -1,4 +1,4 @@
-"""Sharded JAX calls on two host devices (cupyrope/frontends/jax/ops.py, "Sharding"): under jax.jit with q
+"""Sharded JAX calls on two host devices (cupyrope/frontends/jax/sharding.py): under jax.jit with q
 and k sharded over tokens or heads, each device rotates its own shard (no all-gather, no
 all-to-all in the compiled program), the outputs keep q's and k's shardings and equal the
 single-device call bit for bit: apply_rope from a cache, computed angles, per-token tables and

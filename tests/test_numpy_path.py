@@ -212,12 +212,14 @@ def test_bshd_default_positions_are_arange_of_s(source, randn):
 
 @pytest.mark.parametrize("source", ["cache", "computed"])
 def test_single_token_hd(source, randn, rng):
-    """q of shape [H, D] is one token: positions of shape () or None (position 0)."""
+    """q of shape [H, D] is one token at the position given (shape ()); without positions it has
+    no token dim to number, which is refused rather than rotating by position 0."""
     D = 64
     q = randn((4, D), "float32")
     k = randn((2, D), "float32")
     run_and_check(q, k, source, D, interleaved=False, positions=np.array(1234, dtype=np.int64))
-    run_and_check(q, k, source, D, interleaved=False, positions=None)
+    with pytest.raises(ValueError, match=r"no token dim.*\[tokens, heads, head_dim\]"):
+        run_and_check(q, k, source, D, interleaved=False, positions=None)
 
 
 @pytest.mark.parametrize("table_shape", ["S_w", "BS_w", "1S_w", "B1_w"])

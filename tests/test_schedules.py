@@ -628,13 +628,15 @@ def test_unused_keys_warn():
 
 
 def test_known_types_listed():
-    assert cr.frequencies.ROPE_TYPES == ("default", "linear", "dynamic", "yarn", "llama3", "longrope",
+    from cupyrope.core import frequencies
+
+    assert frequencies.ROPE_TYPES == ("default", "linear", "dynamic", "yarn", "llama3", "longrope",
                                          "proportional")
-    for rope_type in cr.frequencies.ROPE_TYPES:
-        assert cr.frequencies.scaling_type({"rope_type": rope_type}, "x") == rope_type
-    assert cr.frequencies.scaling_type({"type": "su"}, "x") == "longrope"
-    assert cr.frequencies.scaling_type(None, "x") == "default"
-    assert cr.frequencies.scaling_type({}, "x") == "default"
+    for rope_type in frequencies.ROPE_TYPES:
+        assert frequencies.scaling_type({"rope_type": rope_type}, "x") == rope_type
+    assert frequencies.scaling_type({"type": "su"}, "x") == "longrope"
+    assert frequencies.scaling_type(None, "x") == "default"
+    assert frequencies.scaling_type({}, "x") == "default"
     assert math.isclose(cr.rope_frequencies(64, scaling={"rope_type": "yarn", "factor": 4.0,
                                                          "original_max_position_embeddings": 4096})[1],
                         0.1 * math.log(4.0) + 1.0, rel_tol=0, abs_tol=0)

@@ -7,7 +7,8 @@ own modules imports it. Shared by the pytest-benchmark suite in ``benchmarks/`` 
 - :mod:`.workloads`: the reference shape and its data, one workload per implementation, the SM
   copy of the same bytes, the agreement check;
 - :mod:`.peers`: Hugging Face (eager, torch.compile), Liger-Kernel, FlashInfer;
-- :mod:`.sweep`: the reference sweep, its table and plot; :mod:`.cli`: its command line;
+- :mod:`.sweep`: the reference sweep, its table and plot; :mod:`.cli`: its command line, whose
+  options are :mod:`.options`'s; :mod:`.progress`: the sweeps' progress bar and notes;
 - :mod:`.jax_steps`: apply_rope under ``jax.jit`` (native XLA call, Python callback) against
   XLA's fusion of the Hugging Face formulation: wall time per jitted step, GPU time per call in a
   jitted loop of 20, accuracy (JAX is imported only when used).

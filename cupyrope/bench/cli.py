@@ -5,7 +5,6 @@ apply_rope under ``jax.jit`` against XLA's own fusion (:mod:`.jax_steps`)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -15,48 +14,17 @@ from typing import Sequence
 from .clocks import device_name, require_cuda
 from .fused import FUSED_TOKENS, format_fused_table, fused_sweep, plot_fused
 from .jax_steps import (JAX_TOKENS, format_jax_table, jax_device_name, jax_environment, jax_sweep,
-                        require_jax_gpu)
+                        plot_jax, require_jax_gpu)
+from .options import build_parser
 from .sweep import environment, format_table, plot, reference_sweep
-from .workloads import ALL_IMPLS, REFERENCE_TOKENS
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+from .workloads import REFERENCE_TOKENS
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cupyrope.bench",
          default_out: str = "cupyrope-bench") -> int:
     """Run the reference sweep with the command-line options ``argv``; 0 when every cupyrope and
     copy case ran, 1 when one failed, 2 on bad options or without a CUDA GPU."""
-    parser = argparse.ArgumentParser(prog=prog, description=(
-        "Reference sweep (bf16 q [T,32,128], k [T,8,128], fp32 cache, NeoX): cupyrope against an "
-        "SM copy of the same bytes and the peers installed; prints the table and writes it with a "
-        "bandwidth plot."))
-    parser.add_argument("--tokens", type=_positive_int, nargs="+", default=None,
-                        help="values of T (default: " + " ".join(map(str, REFERENCE_TOKENS))
-                        + "; with --fused: " + " ".join(map(str, FUSED_TOKENS))
-                        + "; with --jax: " + " ".join(map(str, JAX_TOKENS)) + ")")
-    parser.add_argument("--fused", action="store_true",
-                        help="the fused ops (rms_norm_rope, rope_and_cache, fp8 out) against the "
-                        "unfused sequences, eager and torch.compile, and an SM copy of their bytes; "
-                        "writes fused_sweep.{md,json,png}")
-    parser.add_argument("--jax", action="store_true",
-                        help="apply_rope under jax.jit (native XLA call and Python callback) "
-                        "against XLA's fusion of the Hugging Face formulation and a jnp copy: wall "
-                        "time per jitted step, GPU time per call against the torch path's, "
-                        "accuracy; writes jax_sweep.{md,json}")
-    impls = [i for i in ALL_IMPLS if i != "copy"]
-    parser.add_argument("--impls", nargs="+", default=None, choices=impls, metavar="IMPL",
-                        help="implementations besides the SM copy, among " + ", ".join(impls)
-                        + " (default: cupyrope's angle sources and every peer)")
-    parser.add_argument("--repeats", type=_positive_int, default=10)
-    parser.add_argument("--no-check", action="store_true", help="skip the agreement check before timing")
-    parser.add_argument("--out", default=default_out,
-                        help=f"folder for reference_sweep.{{md,json,png}} (default: {default_out})")
-    args = parser.parse_args(argv)
+    args = build_parser(prog=prog, default_out=default_out).parse_args(argv)
     if args.jax:  # before JAX starts: leave GPU memory to the torch path of the same run
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
@@ -73,8 +41,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cupyrope.b
         rows = jax_sweep(args.tokens or list(JAX_TOKENS), repeats=args.repeats,
                          check=not args.no_check, failures=failures)
         env = jax_environment()
-        table = format_jax_table(rows, jax_device_name(), env.get("jax", ""))
-        return _report(args.out, "jax_sweep", table, rows, None, failures, extra_env=env)
+        name = jax_device_name()
+        table = format_jax_table(rows, name, env.get("jax", ""))
+        return _report(args.out, "jax_sweep", table, rows,
+                       lambda path: plot_jax(rows, path, gpu_name=name), failures, extra_env=env)
     if args.fused:
         rows = fused_sweep(args.tokens or list(FUSED_TOKENS), repeats=args.repeats,
                            failures=failures)
@@ -90,19 +60,19 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cupyrope.b
 
 def _report(out: str, stem: str, table: str, rows, draw, failures: list[str], *,
             extra_env: dict | None = None) -> int:
-    """Print the table; write ``stem``.md / .json / .png (``draw``: None for no plot) into ``out``
-    (when given); 1 when a cupyrope or copy case failed, else 0."""
+    """Print the table; write ``stem``.md, .json and the .png that ``draw(path)`` draws (none when
+    matplotlib is missing) into ``out`` (when given); 1 when a cupyrope or copy case failed,
+    else 0."""
     print(table)
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"{stem}.md"), "w") as f:
             f.write(table + "\n")
         with open(os.path.join(out, f"{stem}.json"), "w") as f:
-            json.dump({"environment": {**environment(), **(extra_env or {})}, "rows": [dataclasses.asdict(r) for r in rows]},
-                      f, indent=1)
+            json.dump({"environment": {**environment(), **(extra_env or {})},
+                       "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
         try:
-            if draw is not None:
-                print("plot:", draw(os.path.join(out, f"{stem}.png")))
+            print("plot:", draw(os.path.join(out, f"{stem}.png")))
         except ImportError as exc:
             print(f"no plot: {exc}", file=sys.stderr)
     if failures:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import traceback
 from typing import Sequence
 
 from .clocks import gpu_time_us, input_sets_for, require_cuda
 from .peers import Unavailable, compiled_hf_rope, hf_rope, peer_status
+from .progress import Progress
 from .workloads import RopeShape, Workload, sm_copy
 
 HQ, HK, D = 32, 8, 128
@@ -200,40 +200,46 @@ class FusedRow:
 
 
 def fused_sweep(tokens: Sequence[int] = FUSED_TOKENS, *, ops: Sequence[str] = FUSED_OPS,
-                impls: Sequence[str] = FUSED_IMPLS, repeats: int = 10,
+                impls: Sequence[str] = FUSED_IMPLS, repeats: int = 10, progress: bool = True,
                 failures: list[str] | None = None) -> list[FusedRow]:
     """Each fused op over ``tokens`` for its SM copy and ``impls``, GPU time per eager call with
-    inputs rotating so that every call reads DRAM. A cupyrope or copy case that raises goes to
-    ``failures`` (with its traceback); an unfused one that cannot run is left out with a note."""
+    inputs rotating so that every call reads DRAM, under a progress bar (tqdm, when installed and
+    ``progress``). A cupyrope or copy case that raises goes to ``failures`` (with its traceback);
+    an unfused one that cannot run is left out with a note."""
     torch = require_cuda()
+    order = ("copy",) + tuple(i for i in impls if i != "copy")
     rows: list[FusedRow] = []
-    for t in tokens:
-        data = FusedData(t)
-        for op in ops:
-            copy_us = None
-            for impl in ("copy",) + tuple(i for i in impls if i != "copy"):
-                try:
-                    work = make_fused_workload(op, impl, data)
-                    us = gpu_time_us(work.fn, rotate_inputs=work.arg_sets, repeats=repeats)
-                except Unavailable as exc:
-                    print(f"T={t} {op} {impl}: skipped ({exc})", file=sys.stderr)
-                    continue
-                except Exception as exc:
-                    if impl in ("copy", "cupyrope-fused"):
-                        line = f"T={t} {op} {impl}: FAILED\n{traceback.format_exc()}"
-                        print(line, file=sys.stderr)
-                        if failures is not None:
-                            failures.append(line)
-                    else:
-                        print(f"T={t} {op} {impl}: failed, left out ({type(exc).__name__}: {exc})",
-                              file=sys.stderr)
-                    continue
-                if impl == "copy":
-                    copy_us = us
-                pct = 100.0 * copy_us / us if copy_us else float("nan")
-                rows.append(FusedRow(op, impl, t, us, work.bytes_moved / us / 1e3, pct))
-        del data
-        torch.cuda.empty_cache()
+    with Progress(len(tokens) * len(ops) * len(order), enabled=progress) as bar:
+        for t in tokens:
+            data = FusedData(t)
+            for op in ops:
+                copy_us = None
+                for impl in order:
+                    bar.case(f"T={t} {op} {impl}")
+                    try:
+                        work = make_fused_workload(op, impl, data)
+                        us = gpu_time_us(work.fn, rotate_inputs=work.arg_sets, repeats=repeats)
+                    except Unavailable as exc:
+                        bar.note(f"T={t} {op} {impl}: skipped ({exc})")
+                        continue
+                    except Exception as exc:
+                        if impl in ("copy", "cupyrope-fused"):
+                            line = f"T={t} {op} {impl}: FAILED\n{traceback.format_exc()}"
+                            bar.note(line)
+                            if failures is not None:
+                                failures.append(line)
+                        else:
+                            bar.note(f"T={t} {op} {impl}: failed, left out "
+                                     f"({type(exc).__name__}: {exc})")
+                        continue
+                    finally:
+                        bar.done()
+                    if impl == "copy":
+                        copy_us = us
+                    pct = 100.0 * copy_us / us if copy_us else float("nan")
+                    rows.append(FusedRow(op, impl, t, us, work.bytes_moved / us / 1e3, pct))
+            del data
+            torch.cuda.empty_cache()
     return rows
 
 

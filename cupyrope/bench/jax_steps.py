@@ -1,6 +1,6 @@
 """cupyrope under ``jax.jit`` against XLA's own fusion of the same step: the data, the jitted
-steps, their timings and their accuracy, for ``benchmarks/test_jax.py`` and ``python -m cupyrope
-bench --jax``.
+steps, their timings, accuracy, table and plot, for ``benchmarks/test_jax.py`` and ``python -m
+cupyrope bench --jax``.
 
 Reference shape (contract §4): bf16 q ``[T, 32, 128]``, k ``[T, 8, 128]``, random int32 positions
 in [0, 131072) (JAX's default int), fp32 cos/sin cache ``[131072, 128]`` from
@@ -58,7 +58,6 @@ import dataclasses
 import functools
 import os
 import statistics
-import sys
 import time
 import traceback
 import warnings
@@ -68,6 +67,7 @@ import numpy as np
 
 from .clocks import GRAPH_CALLS, graph_time_us
 from .peers import Unavailable
+from .progress import Progress
 from .workloads import CHECK_TOLERANCE, RopeData, RopeShape, error_is_acceptable, make_workload
 
 JAX_TOKENS = (1, 32, 4096, 16384, 65536)
@@ -447,51 +447,60 @@ class JaxRow:
     max_abs_err: dict = dataclasses.field(default_factory=dict)
 
 
-def _failure(failures, line: str) -> None:
-    print(line, file=sys.stderr)
+def _failure(bar: Progress, failures: list[str] | None, line: str) -> None:
+    bar.note(line)
     if failures is not None:
         failures.append(line)
 
 
 def jax_sweep(tokens: Sequence[int] = JAX_TOKENS, *, impls: Sequence[str] = JAX_IMPLS,
-              repeats: int = 5, check: bool = True, torch_path: bool = True,
+              repeats: int = 5, check: bool = True, torch_path: bool = True, progress: bool = True,
               failures: list[str] | None = None) -> list[JaxRow]:
     """Each implementation of :data:`JAX_IMPLS` over ``tokens``: wall time per jitted step, GPU
     time per call (loop of 20), max abs error (``check``); the torch path's GPU time
-    (``torch_path``). A case that raises goes to ``failures`` and the sweep goes on."""
+    (``torch_path``); under a progress bar (tqdm, when installed and ``progress``). A case that
+    raises goes to ``failures`` and the sweep goes on."""
     require_jax_gpu()
     rows = []
-    for t in tokens:
-        data = JaxRopeData(RopeShape(tokens=t))
-        row = JaxRow(t)
-        calls = dispatch_calls(t)
-        for impl in impls:
-            try:
-                step = compile_step(impl, data)
-                if check and impl in ROTATION_IMPLS:
-                    row.max_abs_err[impl] = error = max_abs_error(step, data)
-                    if not error_is_acceptable(error, data.shape.dtype):
-                        print(f"T={t} {impl}: max abs error {error:.3g} > "
-                              f"{CHECK_TOLERANCE[data.shape.dtype]}", file=sys.stderr)
-                row.wall_us[impl] = wall_time_us(step.step, data.args, calls=calls,
-                                                 repeats=repeats)
-                row.gpu_us[impl] = loop_time_us(step.loop, data.args,
-                                                loops=max(2, calls // LOOP_CALLS), repeats=repeats)
-            except Unavailable as exc:
-                print(f"T={t} {impl}: skipped ({exc})", file=sys.stderr)
-            except Exception:
-                _failure(failures, f"T={t} {impl}: FAILED\n{traceback.format_exc()}")
-            finally:
-                step = None
-        if torch_path:
-            try:
-                row.torch_gpu_us = torch_graph_time_us(t, repeats=2 * repeats)
-            except Unavailable as exc:
-                print(f"T={t} torch path: skipped ({exc})", file=sys.stderr)
-            except Exception:
-                _failure(failures, f"T={t} torch path: FAILED\n{traceback.format_exc()}")
-        rows.append(row)
-        del data
+    with Progress(len(tokens) * (len(impls) + bool(torch_path)), enabled=progress) as bar:
+        for t in tokens:
+            data = JaxRopeData(RopeShape(tokens=t))
+            row = JaxRow(t)
+            calls = dispatch_calls(t)
+            for impl in impls:
+                bar.case(f"T={t} {impl}")
+                try:
+                    step = compile_step(impl, data)
+                    if check and impl in ROTATION_IMPLS:
+                        row.max_abs_err[impl] = error = max_abs_error(step, data)
+                        if not error_is_acceptable(error, data.shape.dtype):
+                            bar.note(f"T={t} {impl}: max abs error {error:.3g} > "
+                                     f"{CHECK_TOLERANCE[data.shape.dtype]}")
+                    row.wall_us[impl] = wall_time_us(step.step, data.args, calls=calls,
+                                                     repeats=repeats)
+                    row.gpu_us[impl] = loop_time_us(step.loop, data.args,
+                                                    loops=max(2, calls // LOOP_CALLS),
+                                                    repeats=repeats)
+                except Unavailable as exc:
+                    bar.note(f"T={t} {impl}: skipped ({exc})")
+                except Exception:
+                    _failure(bar, failures, f"T={t} {impl}: FAILED\n{traceback.format_exc()}")
+                finally:
+                    step = None
+                    bar.done()
+            if torch_path:
+                bar.case(f"T={t} torch path")
+                try:
+                    row.torch_gpu_us = torch_graph_time_us(t, repeats=2 * repeats)
+                except Unavailable as exc:
+                    bar.note(f"T={t} torch path: skipped ({exc})")
+                except Exception:
+                    _failure(bar, failures,
+                             f"T={t} torch path: FAILED\n{traceback.format_exc()}")
+                finally:
+                    bar.done()
+            rows.append(row)
+            del data
     return rows
 
 
@@ -556,6 +565,47 @@ def format_jax_table(rows: Sequence[JaxRow], gpu_name: str, jax_version: str = "
              f"rotation (exact angles)| over the first {ERROR_TOKENS} tokens of q and k.")
     return "\n".join([header, "", lines, "", f"GPU µs per call (jitted loop of {LOOP_CALLS}):",
                       "", gpu_table, "", notes])
+
+
+def plot_jax(rows: Sequence[JaxRow], path: str, *, gpu_name: str) -> str:
+    """Two panels against T, log-log, one line per implementation: wall µs per jitted step, and
+    GPU µs per call (jitted loop of 20; the torch path's CUDA graph of 20 dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (wall, gpu) = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    for ax, times in ((wall, lambda r: r.wall_us), (gpu, lambda r: r.gpu_us)):
+        for impl in JAX_IMPLS:
+            points = [(r.tokens, times(r)[impl]) for r in rows if impl in times(r)]
+            if points:
+                points.sort()
+                style = dict(color="black", linestyle="--") if impl == "jnp-copy" else {}
+                ax.plot([t for t, _ in points], [us for _, us in points], marker="o", label=impl,
+                        **style)
+    torch_points = sorted((r.tokens, r.torch_gpu_us) for r in rows if r.torch_gpu_us is not None)
+    if torch_points:
+        gpu.plot([t for t, _ in torch_points], [us for _, us in torch_points], marker="s",
+                 color="grey", linestyle=":", label="torch path (graph)")
+    ticks = sorted({r.tokens for r in rows})
+    for ax, title in ((wall, "wall µs per jitted step"),
+                      (gpu, f"GPU µs per call (jitted loop of {LOOP_CALLS})")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(t) for t in ticks])
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("µs")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"apply_rope under jax.jit against XLA's fusion, bf16 q[T,32,128] k[T,8,128], "
+                 f"fp32 cache, NeoX — {gpu_name}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def jax_environment() -> dict:

@@ -11,6 +11,7 @@ from typing import Sequence
 
 from .clocks import device_name, gpu_time_us, l2_cache_bytes, require_cuda
 from .peers import Unavailable, peer_status
+from .progress import Progress
 from .workloads import (CHECK_TOLERANCE, REFERENCE_TOKENS, SWEEP_IMPLS, RopeData, RopeShape,
                         error_is_acceptable, make_workload, max_abs_error)
 
@@ -18,11 +19,6 @@ try:
     import torch
 except ImportError:  # pragma: no cover - exercised only without torch
     torch = None
-
-try:  # a progress bar when tqdm is installed (the bench extra brings it); none otherwise
-    from tqdm.auto import tqdm
-except ImportError:  # pragma: no cover - depends on the install
-    tqdm = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,59 +60,44 @@ def reference_sweep(tokens: Sequence[int] = REFERENCE_TOKENS, *, impls: Sequence
     require_cuda()
     wanted = list(SWEEP_IMPLS if impls is None else impls)
     status = peer_status()
-    bar = tqdm(total=len(tokens) * (1 + len(wanted)), unit="case", dynamic_ncols=True,
-               disable=not progress) if tqdm is not None else None
-
-    def note(text: str) -> None:
-        # tqdm.write clears the bar, prints the line and redraws the bar below it.
-        if bar is not None:
-            bar.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr)
-
-    for impl in wanted:
-        if status.get(impl):
-            note(f"skipping {impl}: {status[impl]}")
     runnable = ["copy"] + [i for i in wanted if i != "copy" and not status.get(i)]
     rows: list[Row] = []
-    try:
+    with Progress(len(tokens) * len(runnable), enabled=progress) as bar:
+        for impl in wanted:
+            if status.get(impl):
+                bar.note(f"skipping {impl}: {status[impl]}")
         for t in tokens:
             shape = RopeShape(tokens=t)
             data = RopeData(shape)
             copy_us = None
             for impl in runnable:
-                if bar is not None:
-                    bar.set_description(f"T={t} {impl}")
+                bar.case(f"T={t} {impl}")
                 try:
                     work = make_workload(impl, data)
                     error = max_abs_error(work, data) if check and impl != "copy" else None
                     us = gpu_time_us(work.fn, rotate_inputs=work.arg_sets, warmup=warmup, repeats=repeats)
                 except Unavailable as exc:
-                    note(f"T={t} {impl}: skipped ({exc})")
+                    bar.note(f"T={t} {impl}: skipped ({exc})")
                     continue
                 except Exception as exc:
                     if impl == "copy" or impl.startswith("cupyrope"):
                         line = f"T={t} {impl}: FAILED\n{traceback.format_exc()}"
-                        note(line)
+                        bar.note(line)
                         if failures is not None:
                             failures.append(line)
                     else:
-                        note(f"T={t} {impl}: failed, left out ({type(exc).__name__}: {exc})")
+                        bar.note(f"T={t} {impl}: failed, left out ({type(exc).__name__}: {exc})")
                     continue
                 finally:
-                    if bar is not None:
-                        bar.update()
+                    bar.done()
                 if impl == "copy":
                     copy_us = us
                 if not error_is_acceptable(error, shape.dtype):
-                    note(f"T={t} {impl}: max abs error {error:.3g} > {CHECK_TOLERANCE[shape.dtype]}")
+                    bar.note(f"T={t} {impl}: max abs error {error:.3g} > {CHECK_TOLERANCE[shape.dtype]}")
                 pct = 100.0 * copy_us / us if copy_us else float("nan")
                 rows.append(Row(impl, t, us, work.bytes_moved / us / 1e3, pct, error))
             del data
             torch.cuda.empty_cache()
-    finally:
-        if bar is not None:
-            bar.close()
     return rows
 
 

@@ -1,23 +1,8 @@
 """FlashInfer: ``rope_quantize_fp8`` (and its MLA alias ``mla_rope_quantize_fp8``): RoPE on the
 rotary part of q and k and fp8 quantisation of both parts, for fp8 attention (DeepSeek MLA, GQA,
-MHA).
+MHA); one launch when each rope part is followed by its nope part in memory.
 
-FlashInfer's scales MULTIPLY (stored = fp8(value * quant_scale)); cupyrope's divide (stored =
-fp8(value / scale), vLLM's convention), so the adapter hands cupyrope ``1 / quant_scale``. The
-two agree up to the float32 rounding of that reciprocal (exactly for powers of two).
-
-How the two parts are computed:
-
-- rope part and nope part adjacent in memory, rope first (``x[..., :rope_dim]`` and
-  ``x[..., rope_dim:]`` of one tensor, FlashInfer's own test layout): ONE launch of
-  :func:`cupyrope.apply_rope` on the joined ``[..., rope_dim + no_rope_dim]`` view with
-  ``rotary_dim=rope_dim``; the pass-through (nope) dims are quantised in the same pass.
-- otherwise (separate tensors, or DeepSeek's nope-first head ``[nope | rope]``, since cupyrope
-  rotates the FIRST ``rotary_dim`` dims): one launch for the rope parts of q and k, and the nope
-  parts quantised by torch (``x.float() * scale``, clamped, then the fp8 cast: four elementwise
-  kernels and a float32 temporary per part).
-- ``*_out`` buffers are written by copying the results into them (one fp8 copy per buffer, or
-  one for a joined rope/nope pair): cupyrope's ops allocate their outputs.
+Design notes: docs/architecture.md#compatflashinferpy
 """
 
 from __future__ import annotations
@@ -92,7 +77,7 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
     if q_joined is not None and k_joined is not None:  # one launch quantises both parts
         q8, k8 = apply_rope(q_joined, k_joined, pos_ids, **rope)
         results = [q8[..., :rope_dim], k8[..., :rope_dim], q8[..., rope_dim:], k8[..., rope_dim:]]
-    else:
+    else:  # separate tensors, or nope first ([nope | rope]: cupyrope rotates the FIRST dims)
         results = [*apply_rope(q_rope, k_rope, pos_ids, **rope),
                    _quantize(q_nope, scale_q, dtype), _quantize(k_nope, scale_kv, dtype)]
     _store(results, outs)
@@ -170,7 +155,10 @@ def _scale(value, name: str):
 
 def _reciprocal(scale):
     """cupyrope's divisor for FlashInfer's multiplier (a device tensor stays on the device: no
-    synchronisation, and a captured CUDA graph reads its current value)."""
+    synchronisation, and a captured CUDA graph reads its current value).
+
+    FlashInfer stores fp8(value * quant_scale), cupyrope fp8(value / scale) (vLLM's convention):
+    the two agree up to the float32 rounding of the reciprocal (exactly for powers of two)."""
     return torch.reciprocal(scale) if isinstance(scale, torch.Tensor) else 1.0 / scale
 
 

@@ -1,15 +1,9 @@
 """The interop boundary: arrays in, pointers/shapes/strides/dtype/device/stream out, results back.
 
-Nothing else in cupyrope knows which framework it is serving. ``describe`` turns any supported array
-into an :class:`ArrayInfo`; ``empty_like_caller`` allocates an output of the caller's own type on the
-caller's device; ``current_stream`` names the stream a kernel for that caller must run on (torch's
-current stream for torch tensors, CuPy's otherwise); ``host_view`` exposes a CPU array to NumPy
-without copying; ``gpu_array_key`` and ``new_gpu_outputs`` serve repeated calls with CUDA torch
-tensors and CuPy arrays from a few attribute reads.
+Nothing else in cupyrope knows which framework it is serving: torch tensors are read directly,
+JAX and other producers go through DLPack.
 
-torch tensors are read directly (``data_ptr``, ``shape``, ``stride``, ``dtype``): a DLPack round
-trip costs ~11 us per tensor and its cross-stream synchronisation breaks CUDA graph capture.
-JAX and other producers go through DLPack, which hands CuPy a zero-copy view on CuPy's current stream.
+Design notes: docs/architecture.md#corearrayspy
 """
 
 from __future__ import annotations
@@ -150,7 +144,7 @@ def describe(x, name: str) -> ArrayInfo:
     """
     if isinstance(x, np.ndarray):
         return _from_numpy(x, name)
-    if isinstance(x, ArrayInfo):  # already described (a traced JAX array: cupyrope.frontends.jax.ops)
+    if isinstance(x, ArrayInfo):  # already described (a traced JAX array: cupyrope.frontends.jax)
         return x
     module = _module_of(x)
     if module == "torch":
@@ -205,7 +199,7 @@ def _from_dlpack(x, name: str) -> ArrayInfo:
 
 def new_output(x, kind: str, device: int | None, shape: tuple[int, ...], dtype: str):
     """A new contiguous output shaped like an input: a torch tensor for torch inputs
-    (``empty_like``: the cheapest torch allocation from Python, ~1.4 us against ~3.2 us for
+    (``empty_like``: the cheapest torch allocation from Python, cheaper than
     ``torch.empty(shape, dtype=, device=)``), a CuPy array for every other input on a GPU (JAX and
     DLPack producers get theirs through :func:`finish`), a NumPy array on the CPU."""
     if kind == "torch":
@@ -460,8 +454,9 @@ def _raw_torch_stream(device: int) -> int:
     global _raw_torch_stream
     torch = _torch()
     get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get_raw is None:  # a torch without it: the public (slower, ~2 us) route
+    if get_raw is None:  # a torch without it: the public (slower) route
         def get_raw(index):
             return torch.cuda.current_stream(index).cuda_stream
-    _raw_torch_stream = get_raw  # ~0.1 us per call from now on
+    # Later calls go straight to the getter (measured: docs/perf_log.md#cupyropecorearrayspy).
+    _raw_torch_stream = get_raw
     return get_raw(device)

@@ -54,6 +54,13 @@ def dtype_name_of(value) -> str | None:
         return None
 
 
+def refused_dtype_error(value) -> type[Exception]:
+    """The exception for a dtype argument that is refused: ValueError for a string or a dtype
+    object that names a dtype the argument does not take (``"bf16"``, ``"int8"``, ``np.int32``),
+    TypeError for anything else (a number, a list, an array)."""
+    return ValueError if dtype_name_of(value) is not None else TypeError
+
+
 def compute_dtype(name: str) -> np.dtype:
     """Arithmetic happens in float32, or float64 for float64 arrays (as in the kernels)."""
     return np.dtype(np.float64 if name == "float64" else np.float32)

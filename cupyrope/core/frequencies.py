@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from .arrays import describe, place_like
-from .dtypes import FLOAT_DTYPES, dtype_name_of, round_once
+from .dtypes import FLOAT_DTYPES, dtype_name_of, refused_dtype_error, round_once
 from .schedules import ROPE_TYPES, compute_frequencies, scaling_type
+from .validators import check_int
 
 __all__ = ["ROPE_TYPES", "cos_sin_cache", "cos_sin_table", "rope_frequencies", "scaling_type"]
 
@@ -113,7 +114,7 @@ def cos_sin_cache(max_position: int, rotary_dim: int, *, theta: float = 10000.0,
     Parameters
     ----------
     max_position : int
-        Number of rows (positions 0 .. max_position - 1).
+        Number of rows (positions 0 .. max_position - 1), at least 1.
     rotary_dim : int
         Rotated dims; the cache is ``rotary_dim`` wide.
     theta, scaling :
@@ -140,16 +141,15 @@ def cos_sin_cache(max_position: int, rotary_dim: int, *, theta: float = 10000.0,
     ((4, 8), 'float32')
     """
     op_name = "cos_sin_cache"
-    if isinstance(max_position, bool) or not isinstance(max_position, (int, np.integer)):
-        raise TypeError(f"{op_name}: max_position must be an int, got {type(max_position).__name__}")
-    if max_position < 0:
-        raise ValueError(f"{op_name}: max_position must be >= 0, got {max_position}")
+    # A cache of no rows could serve no position.
+    max_position = check_int(max_position, "max_position", op_name, minimum=1)
     if dtype is None:
         dtype = "float64" if like is not None and describe(like, "like").dtype == "float64" else "float32"
     elif dtype_name_of(dtype) in FLOAT_DTYPES:
         dtype = dtype_name_of(dtype)
     else:
-        raise TypeError(f"{op_name}: dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
+        raise refused_dtype_error(dtype)(
+            f"{op_name}: dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
     # Length-dependent schedules (dynamic, longrope) see the cache's length as the sequence length.
     inv_freq, attention_factor = compute_frequencies(
         rotary_dim, theta=theta, scaling=scaling, seq_len=int(max_position), op_name=op_name

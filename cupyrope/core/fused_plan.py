@@ -12,7 +12,7 @@ import numpy as np
 
 from .abi import StoreFormat
 from .arrays import ArrayInfo, describe, to_host
-from .dtypes import FP8_DTYPES, ITEMSIZE, POSITION_DTYPES, dtype_name_of
+from .dtypes import FP8_DTYPES, ITEMSIZE, POSITION_DTYPES, dtype_name_of, refused_dtype_error
 from .overlap import shares_memory
 from .plan import RopePlan, check_values, operands_of, plan_rope
 from .validators import check_real
@@ -86,7 +86,8 @@ def fp8_name(value, name: str, op_name: str) -> str | None:
         return None
     text = dtype_name_of(value)
     if text not in FP8_DTYPES:
-        raise ValueError(f"{op_name}: {name} must be None or one of {FP8_DTYPES}, got {value!r}")
+        raise refused_dtype_error(value)(
+            f"{op_name}: {name} must be None or one of {FP8_DTYPES}, got {value!r}")
     return text
 
 
@@ -207,8 +208,13 @@ def _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_s
         blocks, size, heads = ((info.shape[0], info.shape[1], info.shape[2]) if layout == "NHD"
                                else (info.shape[0], info.shape[2], info.shape[1]))
         if heads != num_heads or info.shape[3] != head_dim:
+            other = LAYOUTS[1 - LAYOUTS.index(layout)]
+            other_heads = info.shape[1] if other == "HND" else info.shape[2]
+            fits_other = other_heads == num_heads and info.shape[3] == head_dim
             raise ValueError(f"{op_name}: {name} of shape {info.shape} does not hold {num_heads} "
-                             f"heads of {head_dim} in layout {_layout_text(layout)}")
+                             f"heads of {head_dim} in layout {_layout_text(layout)}"
+                             + (f"; it fits {_layout_text(other)}: pass layout=\"{other}\""
+                                if fits_other else ""))
         if info.strides[-1] != 1:
             raise ValueError(f"{op_name}: {name}'s last dim must have stride 1, got strides "
                              f"{info.strides}")
@@ -274,7 +280,8 @@ def check_written_alone(plan: FusionPlan, rope_operands) -> None:
 
 
 def check_slot_values(plan: FusionPlan) -> None:
-    """validate=True: every slot is padding (negative) or inside the cache."""
+    """validate=True: every slot is padding (negative) or inside the cache, and no two tokens
+    share a slot (padding may repeat)."""
     if plan.slot_mapping is None:
         return
     slots = to_host(plan.slot_mapping).astype(np.int64)
@@ -283,6 +290,16 @@ def check_slot_values(plan: FusionPlan) -> None:
         raise IndexError(f"{plan.op_name}: slot_mapping holds {int(bad.sum())} slot(s) >= "
                          f"{plan.num_slots} (num_blocks * block_size), first "
                          f"{int(slots[bad][0])}; negative slots mean padding")
+    written = slots[slots >= 0]
+    values, first_token, counts = np.unique(written, return_index=True, return_counts=True)
+    shared = counts > 1
+    if shared.any():
+        # The shared slot whose first token comes first, with every token that writes it.
+        slot = int(values[shared][np.argmin(first_token[shared])])
+        tokens = np.flatnonzero(slots == slot).tolist()
+        raise ValueError(f"{plan.op_name}: slot_mapping gives slot {slot} to tokens {tokens} "
+                         f"({int(shared.sum())} slot(s) shared in all); slots must be distinct, "
+                         "one token per cache row (negative slots are padding and may repeat)")
 
 
 
@@ -291,7 +308,7 @@ def plan_fused(op_name: str, q, k, positions, *, rope: dict, fusion: dict, valid
     fused part's, then the memory each written array may not share."""
     if fusion.get("out_dtype") is not None and rope.get("inplace"):
         raise ValueError(f"{op_name}: an fp8 out_dtype needs new outputs: pass inplace=False")
-    plan = plan_rope(q, k, positions, **rope)
+    plan = plan_rope(q, k, positions, op_name=op_name, **rope)
     fused = plan_fusion(op_name, plan.q, plan.k, **fusion)
     for name, info in fused.operands():
         if info.on_gpu and info.ptr % ITEMSIZE[info.dtype]:

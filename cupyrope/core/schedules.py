@@ -1,35 +1,10 @@
 """RoPE frequency schedules: a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict in,
 ``(inv_freq float64[rotary_dim // 2], attention_factor)`` out.
 
-Every schedule of transformers' ``ROPE_INIT_FUNCTIONS`` (and the models' default one) is written
-here again in float64 NumPy, formula for formula, so that the numbers are Hugging Face's without its
-float32 rounding. The attention factor (mscale) is computed in Python floats exactly as Hugging Face
-computes it, so it is bit for bit the same.
+Every schedule of transformers' ``ROPE_INIT_FUNCTIONS`` is written again in float64, formula for
+formula; the attention factor is Hugging Face's bit for bit.
 
-The dict may be a legacy ``rope_scaling`` dict (``"type"`` or ``"rope_type"``; ``rope_theta`` and the
-context lengths live in the model config) or a transformers 5 ``rope_parameters`` dict (``rope_theta``
-and ``partial_rotary_factor`` inside). Values that Hugging Face reads from the model config go into
-the dict under the config's own names:
-
-- ``rope_theta``: the base. The ``theta`` keyword is used when the dict has none; when it has one,
-  ``theta`` must be left at its default (10000.0) or equal it.
-- ``max_position_embeddings``: the config's context length. ``dynamic`` needs it; ``yarn`` and
-  ``longrope`` need it only to derive an absent ``factor`` (``max / original``); ``yarn``,
-  ``llama3`` and ``longrope`` fall back on it for an absent ``original_max_position_embeddings``
-  (as transformers' ``standardize_rope_params`` does).
-- ``original_max_position_embeddings``: the pretraining context length (Phi-3 keeps it in the
-  config rather than in ``rope_scaling``: copy it into the dict).
-- ``partial_rotary_factor``: the fraction of head_dim that is rotated. ``rotary_dim`` here is always
-  the number of rotated dims (Hugging Face's ``dim = int(head_dim * partial_rotary_factor)``), so the
-  factor does not change the frequencies of a given ``rotary_dim``: ``apply_rope`` uses it to default
-  ``rotary_dim`` from head_dim (see :func:`rotary_dim_for`). ``proportional`` is the exception: it
-  always spans head_dim (its ``rotary_dim`` is head_dim) and the factor sets how many of the
-  frequencies are non-zero.
-
-Length-dependent schedules take ``seq_len`` (Hugging Face: ``max(position_ids) + 1``): ``dynamic``
-uses ``max(seq_len, max_position_embeddings)`` (None: ``max_position_embeddings``, i.e. no change),
-``longrope`` uses ``long_factor`` when ``seq_len > original_max_position_embeddings`` and
-``short_factor`` otherwise (None included).
+Design notes: docs/architecture.md#coreschedulespy
 """
 
 from __future__ import annotations

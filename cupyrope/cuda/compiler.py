@@ -1,17 +1,11 @@
 """Run-time compilation of the kernels in ``kernels_cu/`` through NVRTC.
 
-One specialisation table (dtype x table dtype x vector width x pairing x angle source x offset
-width) generates
-every ``name_expressions`` entry. A specialisation is compiled the first time it is needed on a
-device, once even when many threads ask at the same time, and memoised per (device, angle
-arithmetic, specialisation). CuPy keeps the compiled binaries on disk (``~/.cupy/kernel_cache``)
-keyed on the source and the compile options; a fingerprint of every file in ``kernels_cu/`` is one
-of those options, so editing a ``.cuh`` header recompiles instead of loading a stale binary.
+One specialisation table generates every ``name_expressions`` entry; a specialisation is compiled
+on first need, once per (device, angle arithmetic, specialisation), and a fingerprint of
+``kernels_cu/`` in the compile options keeps CuPy's disk cache from serving stale binaries.
+``angle_arithmetic`` picks float64 or float-float in-kernel angles per device.
 
-In-kernel (computed) angles of float16 / bfloat16 / float32 q and k are reduced in float64 or in
-float-float arithmetic (``kernels_cu/angles.cuh``), a compile-time choice made per device by
-``angle_arithmetic``: float64 where FP64 runs at half the FP32 rate, float-float (no FP64
-instruction) elsewhere; the environment variable ``CUPYROPE_ANGLE_ARITHMETIC`` overrides it.
+Design notes: docs/architecture.md#cudacompilerpy
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ from pathlib import Path
 
 from ..core.abi import AngleSource
 from ..core.arrays import cupy_module
-from ..core.dtypes import CUDA_TYPE_NAMES, FLOAT_DTYPES, dtype_name_of
+from ..core.dtypes import CUDA_TYPE_NAMES, FLOAT_DTYPES, dtype_name_of, refused_dtype_error
 
 SOURCE_FILE = "rope.cu"
 
@@ -303,7 +297,7 @@ def _compile(spec: KernelSpec, device_id: int, arithmetic: str | None = None) ->
     return CompiledKernel(spec, device_id, module, function, arithmetic)
 
 
-def warmup(
+def compile_specialisations(
     dtypes=("bfloat16", "float16", "float32"),
     *,
     table_dtypes=("float32",),
@@ -347,9 +341,9 @@ def warmup(
     for name, values in (("dtypes", dtypes), ("table_dtypes", table_dtypes)):
         names = [dtype_name_of(v) for v in values]  # strings or NumPy / torch / JAX dtypes
         unknown = [v for v, n in zip(values, names) if n not in FLOAT_DTYPES]
-        if unknown:
-            raise ValueError(f"warmup: {name} must be among {FLOAT_DTYPES}, got "
-                             f"{sorted(map(str, unknown))}")
+        if unknown:  # a value that names no dtype at all is a TypeError, as for every dtype argument
+            error = TypeError if any(refused_dtype_error(v) is TypeError for v in unknown) else ValueError
+            raise error(f"warmup: {name} must be among {FLOAT_DTYPES}, got {sorted(map(str, unknown))}")
         named[name] = set(names)
     dtypes, table_dtypes = named["dtypes"], named["table_dtypes"]
     device_id = current_device() if device is None else int(device)

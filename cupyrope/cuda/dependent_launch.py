@@ -1,16 +1,9 @@
 """Programmatic dependent launch: a kernel that may start while the previous kernel on its stream
-is still finishing (compute capability 9.0 and later).
+is still finishing (compute capability 9.0 and later), through ``cuLaunchKernelEx`` called with
+ctypes (CuPy binds ``cuLaunchKernel`` only). The kernel waits for the previous grid before its
+first memory access, so the results are those of an ordinary launch.
 
-A decode step's kernels are short, so the launch latency between two of them (the next grid is
-dispatched only after the previous one has completed) is a large part of each. Launched with the
-``PROGRAMMATIC_STREAM_SERIALIZATION`` attribute, the decode kernel is dispatched early, reads its
-parameters and computes its offsets while the previous kernel drains, and waits
-(``griddepcontrol.wait`` in ``kernels_cu/decode.cuh``) for that kernel's completion and memory
-before its first global memory access — so the results are those of an ordinary launch. Inside a
-CUDA graph capture the same launch becomes a programmatic edge (CUDA 12.3 and later).
-
-CuPy binds ``cuLaunchKernel`` only; ``cuLaunchKernelEx`` (CUDA 12) is called here through ctypes,
-from the driver library the process has already loaded.
+Design notes: docs/architecture.md#cudadependent_launchpy
 """
 
 from __future__ import annotations

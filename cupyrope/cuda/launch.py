@@ -1,10 +1,10 @@
 """Launch of the rope kernels for a checked plan on a CUDA device.
 
-The host work per call: merge token dims that every operand walks contiguously, decide whether the
-16-byte path applies, pick the launch geometry, pack one ``RopeParams`` struct (the kernels' single
-by-value argument, all fields 8 bytes wide) and launch on the caller's stream. Nothing here
-allocates device memory (except the float64 ``inv_freq`` of a frequency schedule, uploaded once per
-device and kept) and nothing synchronises.
+Per call: token dims merged, 16-byte or scalar accesses, the kernel (decode, lean, general or
+fused) and its geometry, one packed ``RopeParams`` struct, a launch on the caller's stream.
+Nothing here synchronises or allocates (but a schedule's ``inv_freq``, uploaded once and kept).
+
+Design notes: docs/architecture.md#cudalaunchpy
 """
 
 from __future__ import annotations
@@ -94,18 +94,16 @@ def lean_kernel_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token
 
 # The decode kernel (kernels_cu/decode.cuh: one thread per token, head and chunk of pairs) runs
 # launches of the lean kernel's layouts with at most this many tokens, where latency, not
-# bandwidth, decides. H100, graph of 20 calls, bf16 q [T, 32, 128] k [T, 8, 128], cache, us
-# (lean -> decode): T = 1 1.81 -> 1.73, 32 2.14 -> 1.89, 512 3.86 -> 3.77, 1024 5.57 -> 5.26,
-# 2048 13.71 -> 12.86 (docs/perf_log.md); 4096 is within noise, so the limit stays at 2048.
+# bandwidth, decides: it beats the lean kernel up to 2048 tokens and is within noise at 4096.
+# measured: docs/perf_log.md#decode_max_tokens
 DECODE_MAX_TOKENS = 2048
 
 
 # Launches of at most DECODE_MAX_TOKENS tokens on the decode or lean kernels (fused ones too) are
 # programmatic dependent launches where the device supports them (cupyrope.cuda.dependent_launch): they
-# are dispatched while the previous kernel drains, and wait for it before touching memory. H100,
-# graph of 20 calls, cache, us (decode kernel without -> with): T = 1 1.76 -> 1.20, 32 1.94 -> 1.32,
-# 512 3.79 -> 3.68, 2048 13.27 -> 12.24. Larger launches gain nothing and would let the next
-# kernel's blocks take their SMs early. False turns it off.
+# are dispatched while the previous kernel drains, and wait for it before touching memory. Larger
+# launches gain nothing and would let the next kernel's blocks take their SMs early. False turns
+# it off. measured: docs/perf_log.md#dependent_launch
 DEPENDENT_LAUNCH = True
 
 
@@ -137,12 +135,11 @@ def decode_kernel_applies(plan: RopePlan, *, lean: bool, copy_pass: bool, pairs:
 
 
 # Computed angles on the decode kernel (each warp computes its token's angles, no block barrier)
-# against the lean kernel (each pair once per block, behind a barrier). H200, graph of 20 calls,
-# bf16 q [T, 32, 128] k [T, 8, 128], us, lean -> decode: float64 angles T = 1 1.97 -> 1.63,
-# 32 2.12 -> 1.78, 512 5.05 -> 4.36, 1024 7.20 -> 7.27, 2048 12.42 -> 13.07; float-float angles
-# (~3x the instructions a pair) 1.81 -> 1.84, 1.99 -> 1.97, 5.01 -> 4.90, 7.12 -> 8.26
-# (docs/perf_log.md). So the decode kernel takes computed angles up to this many tokens, with
-# float64 angle arithmetic only.
+# against the lean kernel (each pair once per block, behind a barrier): with float64 angle
+# arithmetic the decode kernel is faster up to 512 tokens and slower from 1024; float-float angles
+# (~3x the instructions a pair) gain little there and lose from 1024. So the decode kernel takes
+# computed angles up to this many tokens, with float64 angle arithmetic only.
+# measured: docs/perf_log.md#decode_max_computed_tokens
 DECODE_MAX_COMPUTED_TOKENS = 512
 
 
@@ -306,7 +303,7 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
         plan.token_shape, operand_strides + [plan.positions_strides or none] + table_strides)
     if len(shape) > MAX_TOKEN_DIMS:
         raise ValueError(
-            f"apply_rope: the token dims {plan.token_shape} of q/k/positions/tables need "
+            f"{plan.op_name}: the token dims {plan.token_shape} of q/k/positions/tables need "
             f"{len(shape)} strided dims after merging contiguous ones; at most {MAX_TOKEN_DIMS} are "
             "supported: make some of them contiguous"
         )
@@ -449,8 +446,8 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
 HEADS_PER_THREAD = (16, 8, 4, 2, 1)
 # Relative throughput against the work one thread does per token, in pairs of 16-byte accesses
 # (NeoX, full rotary: one pair per head; interleaved: half; partial rotary out of place: plus the
-# copied dims). Measured on an H200 (bf16, 32 + 8 heads, T = 16384 and 65536): the best is ~4
-# (e.g. 4 heads of full NeoX, 2 heads of half-rotary NeoX that also copy the other half).
+# copied dims). The best is ~4 (e.g. 4 heads of full NeoX, 2 heads of half-rotary NeoX that also
+# copy the other half). measured: docs/perf_log.md#_throughput_by_work
 _THROUGHPUT_BY_WORK = ((1, 0.75), (2, 0.93), (4, 1.0), (8, 0.96), (16, 0.85), (32, 0.75))
 
 
@@ -488,10 +485,10 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     x: lanes over the chunks of pairs of a head (out of place, the same lanes then copy the
     pass-through chunks);
     y: head lanes, split over blockIdx.y when they do not fit one block (the fused kernel's v heads
-    count: ``extra_heads``); z: tokens, ~256 threads a block. The heads per thread are chosen by a wave model: the square root of the fraction of
-    the last wave of resident blocks that has work (a partial last wave runs faster, so the loss
-    is less than the idle fraction), times the measured throughput of the work per thread that
-    many heads make (_THROUGHPUT_BY_WORK).
+    count: ``extra_heads``); z: tokens, ~256 threads a block. The heads per thread are chosen by a
+    wave model: the square root of the fraction of the last wave of resident blocks that has work
+    (a partial last wave runs faster, so the loss is less than the idle fraction), times the
+    measured throughput of the work per thread that many heads make (_THROUGHPUT_BY_WORK).
     """
     chunks = (plan.rotary_dim // 2) // pairs
     lanes = max(1, min(chunks, 32))
@@ -517,7 +514,7 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
         waves = grid_x * grid_y / (slots_per_sm * multiprocessors)
         score = (waves / -(-waves // 1)) ** 0.5 * throughput
         if heads_per_thread == 1 and waves <= 0.5:
-            score = float("inf")  # a decode step: latency, not bandwidth, decides (H200: T = 1, 32)
+            score = float("inf")  # a decode step: latency, not bandwidth, decides
         if best is None or score > best[0]:
             # The kernels loop over tokens by gridDim.x and over head lanes by gridDim.y, so a grid
             # capped at CUDA's limits still covers every token and head.
@@ -531,9 +528,8 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
 
 # The fused kernel's ring of head chunks in flight per thread (kRingDepth x kRingSlotBytes in
 # kernels_cu/fused.cuh), and the launches that use it: RMSNorm or a cache write on 16-byte accesses
-# with many tokens. Measured on an H100 at T = 65536 (% of an SM copy, without -> with the ring):
-# rms_norm_rope 62.2 -> 70.2, rope_and_cache 67.5 -> 68.6, with the norm 55.4 -> 60.8; but fp8
-# outputs alone 66.4 -> 63.8, and T = 512 slows (rms_norm_rope 8.7 -> 10.5 us).
+# with many tokens, which it speeds up; fp8 outputs alone and small launches it slows.
+# measured: docs/perf_log.md#fused_ring_min_tokens
 FUSED_RING_BYTES_PER_THREAD = 4 * 32
 FUSED_RING_MIN_TOKENS = 4096
 

@@ -1,12 +1,10 @@
 """Repeat calls: a launch reduced to filling in data pointers.
 
-A :class:`LaunchRecipe` is everything about a kernel launch except the data pointers. The first GPU
-call of a given layout plans it in full (``cupyrope.core.plan``, ``cupyrope.cuda.launch``) and keeps the
-recipe here, keyed on everything it depends on except the pointers: array types, shapes, strides,
-dtypes, devices and pointer alignment, and the options. A repeated call with that key skips
-argument checking and planning (the checks passed for exactly this metadata before) and only
-launches. The fused ops (:func:`fused_call_key`, :func:`replay_fused`) do the same with the
-pointers of their weights, v, caches, slot mapping and scale arrays as well.
+A :class:`LaunchRecipe` is everything about a launch except the data pointers, kept under a key of
+everything else the launch depends on; a repeated call with that key skips checking and planning
+and only launches (the fused ops too: :func:`fused_call_key`, :func:`replay_fused`).
+
+Design notes: docs/architecture.md#cudarecipespy
 """
 
 from __future__ import annotations

@@ -1,2 +1,3 @@
-"""JAX primitives: custom gradient and batching, the jax.numpy lowering, the native XLA call and
-sharding."""
+"""The JAX route: entry points with custom gradient and batching (ops), call descriptions
+(planning), the primitives and their lowerings (primitives), sharding, the callback, the jax.numpy
+lowering and the native XLA call. Design: ``docs/jax_internals.md``."""

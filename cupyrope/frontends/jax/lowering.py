@@ -1,35 +1,7 @@
 """The jax.numpy formulation of cupyrope's ops: what a traced call becomes on XLA's CPU (and on any
-platform without a native lowering), with the semantics of the NumPy path (``numpy_path.py``).
-
-:mod:`cupyrope.frontends.jax.ops` lowers its primitives through these functions (``mlir.lower_fun``): each
-takes the checked plan of the call (a :class:`~cupyrope.core.plan.RopePlan` of the traced shapes, with
-the host's float64 ``inv_freq``) and the arrays, and returns the outputs as JAX values.
-
-Angles
-------
-- ``cos_sin_cache``: rows ``positions[t]`` (gathered), rows outside the cache give NaN cos/sin;
-  per-token ``cos`` / ``sin``: broadcast to the tokens, one entry per pair. No arithmetic: the
-  table's values in the compute dtype (float32, float64 for float64 inputs).
-- computed from ``theta`` / ``scaling``: with ``jax_enable_x64`` on, as the NumPy path does:
-  ``cos(position * inv_freq) * attention_factor`` in float64, rounded once to the compute dtype.
-  With x64 off (JAX's default) float64 does not exist on the device, so the angle is reduced in
-  fixed point with 32-bit integers (:func:`_turns_fraction`): ``inv_freq / 2pi`` modulo 1 is an
-  80-bit binary fraction computed on the host, exact from the float64 ``inv_freq``; its product
-  with the int32 position modulo 1 (the fraction of a turn) is formed exactly in 16-bit limbs; the
-  quarter turn nearest it gives the quadrant and the rest, at most 1/8 turn, times 2pi becomes the
-  float32 reduced angle, as a sum of exact products of 12-bit floats (a few roundings of ~2^-25
-  rad). Integer arithmetic and exact products round the same whatever XLA does with them: XLA's
-  CPU contracts ``a * b - c * d`` into fused multiply-adds (measured: jax 0.10.2), so float-float
-  products that rely on a rounded ``a * b`` (Dekker's two-product without fma) are not computed
-  as written, and the same jnp code compiled into two programs (one device, two shards) could
-  round differently.
-
-Rotation
---------
-Each pair ``x1 * cos - x2 * sin``, ``x2 * cos + x1 * sin`` in the compute dtype, rounded once to
-the output dtype; dims past ``rotary_dim`` are copied. XLA may contract those products into fused
-multiply-adds (one rounding fewer than the NumPy path's), so results can differ from the NumPy
-path's by an ulp, both within the accuracy contract.
+platform without a native lowering), with the semantics of the NumPy path. Each function takes the
+checked plan of the call and the arrays, and returns the outputs as JAX values (the primitives
+lower through them with ``mlir.lower_fun``). Design (angles, rounding): ``docs/jax_internals.md``.
 """
 
 from __future__ import annotations

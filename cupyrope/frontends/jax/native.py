@@ -1,40 +1,7 @@
-"""cupyrope's ops as native XLA operations on NVIDIA GPUs: jaxlib's GPU kernel call with NVRTC's PTX.
-
-jaxlib ships a GPU custom call that launches a kernel given as PTX, with a grid and a list of array
-and scalar parameters (``jax._src.lib.gpu_triton``: ``TritonKernel``, ``TritonKernelCall``; the
-call target ``triton_kernel_call_ffi``, what Pallas and jax-triton lower to). :func:`lower_planned`
-lowers a traced call (the ``cupyrope_rope`` / ``cupyrope_fused`` primitives of
-:mod:`cupyrope.frontends.jax.ops`) to that call: the launch is planned while lowering, from the shapes and
-dtypes XLA will pass (``plan_rope`` / ``plan_fused`` and ``launch.plan_launch``, as for an eager
-call), and the kernel that plan picks is
-compiled by NVRTC to PTX for the device's architecture. When the compiled function runs, XLA
-launches it on its own stream and buffers: no Python runs, the call can be captured in XLA's
-command buffers (CUDA graphs), and ``jax.export`` can serialise it (the PTX travels in the call's
-configuration; see "Export" below).
-
-The kernels are the ones every other route runs, through an entry point with flat arguments
-(:func:`_entry_source`): jaxlib's call passes one kernel argument per parameter, in XLA's buffer
-order (operands, then results), where the kernels take a parameter struct. The entry takes the
-data pointers in XLA's order and the rest of the struct as 64-bit words (scalar parameters, fixed
-when lowering), reassembles the struct and runs the kernel body. jaxlib launches blocks of whole
-warps along x only: the entry is compiled with the planned block shape
-(``CUPYROPE_FLAT_BLOCK_X/Y/Z``, ``kernels_cu/thread_index.cuh``), so a flat thread index maps onto
-the same warps, lane for lane, as the eager launch's three-dimensional block. A block that is not a
-whole number of warps gets more head lanes (every kernel strides over heads, so any number
-covers them).
-
-Export
-------
-``jax.export`` refuses custom calls without a compatibility guarantee unless told: pass
-``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")]``. The
-serialised module holds PTX for the exporting GPU's architecture (``compute_XY``): it runs on that
-architecture and, through the driver's PTX JIT, on newer ones.
-
-Availability
-------------
-:func:`unavailable_reason` says why the call cannot be used (a jaxlib older than 0.11, one
-without ``gpu_triton`` or without its CUDA plugin, or NVRTC missing); :mod:`cupyrope.frontends.jax.ops` then
-keeps the callback route and warns once. ``CUPYROPE_JAX_NATIVE=0`` asks for the callback route.
+"""cupyrope's ops as native XLA operations on NVIDIA GPUs: jaxlib's GPU kernel call with NVRTC's
+PTX, planned while lowering from the shapes XLA will pass, through an entry with flat arguments.
+:func:`unavailable_reason` says when the callback route must be used instead. Design (the entry,
+export, availability): ``docs/jax_internals.md``.
 """
 
 from __future__ import annotations

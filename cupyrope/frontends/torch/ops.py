@@ -1,81 +1,11 @@
 """torch.library custom ops behind cupyrope's torch calls: autograd, torch.compile, CUDA graphs.
 
-``apply_rope`` sends torch tensors here when q or k requires grad (with grad mode on), and every
-call made while ``torch.compile`` (or ``torch.export``) traces; the fused ops (``rms_norm_rope``,
-``rope_and_cache``, ``apply_rope(out_dtype=...)``) come here the same way (:func:`run_fused`), and
-also when a norm weight, v, a cache or a scale requires grad. Everything else keeps the array path
-(and, for ``apply_rope``, its repeat-call fast path). Every operator ends in the code of every
-other call: :func:`cupyrope.execute.run` (``apply_rope``) or :func:`cupyrope.execute.run_fused`
-(the fused ops, with the router off), i.e. the CUDA kernels on torch's current stream for CUDA
-tensors, the NumPy path for CPU tensors. Their fake (meta) implementations give torch.compile the
-output shapes and dtypes (fp8 included) without running anything, so ``torch.compile(fullgraph=True)``
-traces every op with no graph break.
+Calls that need autograd or involve a DTensor, and every call traced by ``torch.compile`` /
+``torch.export``, come here. Each operator runs :func:`cupyrope.execute.run` or
+:func:`cupyrope.execute.run_fused` on detached tensors, and its fake implementation gives the
+tracer the outputs' shapes and dtypes, so ``torch.compile(fullgraph=True)`` has no graph break.
 
-Operators (namespace ``cupyrope``); ``ROTATION`` stands for the angle source and the rotation's
-options, which every operator takes in the same order and encoding::
-
-    Tensor? positions, Tensor? cos_sin_cache, Tensor? cos, Tensor? sin, float theta,
-    str? scaling, float[]? scaling_numbers, bool interleaved, SymInt? rotary_dim, bool inverse,
-    SymInt? seq_len
-
-``apply_rope(Tensor q, Tensor? k, ROTATION, bool validate) -> (Tensor, Tensor)``
-    Out of place: new contiguous ``q_out`` and ``k_out`` (an empty placeholder of shape ``(0,)``
-    when k is None: custom ops cannot return None). A dict is not an operator argument: the
-    Hugging Face rope_scaling dict travels as a text (``scaling``) and its numbers
-    (``scaling_numbers``), see :func:`cupyrope.core.scaling.scaling_op_args`. Differentiable in q and k.
-``apply_rope_(Tensor(a!) q, Tensor(b!)? k, ROTATION, bool validate) -> ()``
-    In place (a mutating op: torch.compile functionalises it and re-inplaces it).
-``rms_norm_rope(Tensor q, Tensor? k, ROTATION, NORM, FP8, bool validate) -> (Tensor, Tensor)``
-    QK-RMSNorm + RoPE out of place (fp8 outputs with ``out_dtype``); differentiable in q, k,
-    q_weight and k_weight when ``out_dtype`` is None. ``NORM`` is ``Tensor? q_weight, Tensor?
-    k_weight, float? eps, float weight_offset``; ``FP8`` is ``str? out_dtype, Tensor?
-    q_scale_tensor, float? q_scale, Tensor? k_scale_tensor, float? k_scale``: a scale is a
-    Python number (``q_scale``) or a 0-d / one-element float32 tensor (``q_scale_tensor``, read
-    by the kernel, so a CUDA graph sees new values), never both.
-``rms_norm_rope_(Tensor(a!) q, Tensor(b!)? k, ROTATION, NORM, FP8, bool validate) -> ()``
-    In place.
-``apply_rope_fp8(Tensor q, Tensor? k, ROTATION, FP8, bool validate) -> (Tensor, Tensor)``
-    ``apply_rope(out_dtype=..., q_scale=..., k_scale=...)``: fp8 outputs, out of place.
-``rope_and_cache(Tensor q, Tensor k, ROTATION, CACHE, NORM, FP8, bool validate) -> (Tensor, Tensor)``
-    RoPE + paged KV-cache write with new ``q_out`` / ``k_out`` (``inplace=False``; fp8 outputs
-    possible). ``CACHE`` is ``Tensor v, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor
-    slot_mapping, str layout, Tensor? v_scale_tensor, float? v_scale, str? cache_dtype``: the
-    caches are declared mutated.
-``rope_and_cache_(Tensor(a!) q, Tensor(b!) k, ROTATION, CACHE, NORM, FP8, bool validate) -> ()``
-    The same with q and k rotated in place (vLLM's convention, ``inplace=True``).
-
-Gradients
----------
-A rotation is orthogonal, so the gradient of ``apply_rope`` is the inverse rotation of the
-upstream gradient: the backward calls the same operator on ``(grad_q, grad_k)`` with the same angle
-source and ``inverse`` flipped, in one launch for both (partial rotary: the pass-through dims pass
-the gradient through; attention factors scale both ways). Positions, tables and ``theta`` are not
-differentiated: user-given ``cos`` / ``sin`` / ``cos_sin_cache`` tensors get no gradient (None),
-as in TransformerEngine's and Liger's RoPE. The backward is itself differentiable (double
-backward).
-
-``rms_norm_rope`` (Qwen3, OLMo 2, Gemma 3 training), per head in float32: ``r = rsqrt(mean(x**2)
-+ eps)``, ``n = x * r``, ``y = rotate(n * (weight_offset + w))``. From the upstream gradient
-``g_y``: ``g`` = the inverse rotation of ``g_y`` taken to float32 (the ``apply_rope`` operator,
-one launch for q and k), ``g_w = sum(g * n)`` over every token and head (float32, then the weight's
-dtype; q_weight and k_weight separately), ``g_n = g * (weight_offset + w)``, ``g_x = r * (g_n - n
-* mean(g_n * n))``, rounded once to x's dtype. The norm part is torch arithmetic (CPU and GPU
-alike) on the saved q and k, so the backward is differentiable again (double backward).
-
-In place under autograd: ``apply_rope`` writes into q and k in one launch and records each on the
-autograd graph like a torch in-place op (``mark_dirty``), so q and k may be views of one fused QKV
-projection output. As for torch's own in-place ops, a leaf that requires grad (or a view of one) is
-refused, before anything is written. Under torch.compile the same call is traced as the
-out-of-place op followed by ``copy_`` into q and k (correct gradients on every torch version; the
-compiled graph holds the copies). ``rms_norm_rope(inplace=True)`` under autograd is refused by the
-same rules; otherwise its backward needs q and k as they were before the norm, so it runs the
-out-of-place operator on copies of q and k (which the backward keeps) and copies the results into
-q and k with ``copy_``: correct gradients on views of a fused QKV output, at the memory and traffic
-of the out-of-place call plus two copies.
-
-Not differentiable: fp8 outputs (``out_dtype``) and ``rope_and_cache``. A call of either on a
-tensor that requires grad (with grad mode on) raises NotImplementedError naming the tensors;
-under ``torch.no_grad()`` (or on detached tensors) both run, and trace under torch.compile.
+Design notes: docs/architecture.md#frontendstorchopspy
 """
 
 from __future__ import annotations
@@ -416,7 +346,8 @@ def _norm_in_place_under_autograd(q, k, named: dict, rope: dict):
             _check_inplace_autograd(x, name, "rms_norm_rope")
         # The checks of the in-place call (q and k must not share an element with each other or
         # another operand), before anything is written.
-        plan_rope(q.detach(), None if k is None else k.detach(), named["positions"], **rope)
+        plan_rope(q.detach(), None if k is None else k.detach(), named["positions"],
+                  op_name="rms_norm_rope", **rope)
     copies = dict(named, q=q.clone(), k=None if k is None else k.clone())
     q_out, k_out = _FUSED_OPS[("rms_norm_rope", False)].call(copies)
     return _copy_back(q, k, q_out, k_out)
@@ -475,7 +406,11 @@ def _gradient_ready(grad: Tensor) -> Tensor:
 
 
 def _rotate_gradients(grad_q, grad_k, need_q, need_k, tables, options):
-    """(grad of q, grad of k): the inverse rotation of the upstream gradients, in one launch."""
+    """(grad of q, grad of k): the inverse rotation of the upstream gradients, in one launch.
+
+    A rotation is orthogonal, so its gradient is the rotation by the same angles with ``inverse``
+    flipped (pass-through dims pass the gradient through; attention factors scale both ways).
+    Positions and tables get no gradient."""
     theta, scaling, scaling_numbers, interleaved, rotary_dim, inverse, seq_len, _ = options
     back = (theta, scaling, scaling_numbers, interleaved, rotary_dim, not inverse, seq_len, False)
     if need_q and need_k:
@@ -688,7 +623,11 @@ def rms_norm_backward(x: Tensor, weight: Tensor, grad: Tensor, eps: float,
                       weight_offset: float) -> tuple[Tensor, Tensor]:
     """(grad of x, grad of weight) in float32 of ``n * (weight_offset + weight)``, ``n = x *
     rsqrt(mean(x**2) + eps)`` per head (last dim), for the float32 upstream gradient ``grad`` of
-    that product. Torch arithmetic, so it is differentiable again."""
+    that product. Torch arithmetic, so it is differentiable again.
+
+    With ``r = rsqrt(mean(x**2) + eps)`` and ``g_n = grad * (weight_offset + weight)``:
+    ``grad_weight = sum(grad * n)`` over every token and head, ``grad_x = r * (g_n - n *
+    mean(g_n * n))``."""
     x = x.float()
     rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
     normed = x * rstd

@@ -1,21 +1,9 @@
-"""Sharding rules of the cupyrope torch operators for DTensor (tensor, sequence and context
-parallelism: torch.distributed.tensor, FSDP2, TorchTitan-style training).
+"""DTensor sharding rules of the cupyrope torch operators: q and k sharded over heads, or over a
+token dim with per-token positions / tables sharded alike, rotate shard by shard with no
+communication; caches, norm weights and fp8 scales are replicated. :func:`register` runs when
+``cupyrope.apply_rope`` first sees a DTensor.
 
-A rotation is independent per head and per token, so q and k sharded over their heads, or over a
-token dim with positions (or per-token cos / sin tables) sharded alike, rotate shard by shard with
-no communication; cos / sin caches are read whole (replicated), and so are the fused ops' RMSNorm
-weights and fp8 scales (rms_norm_rope, apply_rope with fp8 outputs; rope_and_cache, which also
-writes the KV caches through a slot mapping, has no rules). The rules below tell DTensor
-exactly that: for each acceptable layout, the output placements and the input placements, one per
-operator argument (None for the non-tensor ones). DTensor picks the cheapest layout for the given
-inputs; any other placement (e.g. q sharded over head_dim) is redistributed to one of these as
-DTensor's own rules do.
-
-One token dim is excluded: with positions=None the positions are an arange along axis -3 of q,
-which a shard of that axis would restart at 0, so there that axis is only replicated (with
-per-token cos / sin tables the tables carry the angles and it shards like any other).
-
-``register()`` runs when ``cupyrope.apply_rope`` first sees a DTensor.
+Design notes: docs/architecture.md#frontendstorchshardingpy
 """
 
 from __future__ import annotations
