@@ -53,7 +53,7 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
     scaling : dict, optional
         A Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (default, linear, dynamic,
         yarn, llama3, longrope, proportional; ``mrope_section`` for M-RoPE with ``[3, ...]``
-        positions). See the README's "Frequency schedules".
+        positions). See docs/schedules.md.
     interleaved : bool
         False: NeoX pairing, dim ``j`` with ``j + rotary_dim // 2`` (``rotate_half``).
         True: GPT-J pairing, dim ``2j`` with ``2j + 1``.
