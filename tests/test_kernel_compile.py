@@ -2,8 +2,8 @@
 
 NVRTC (the pip wheel ``nvidia-cuda-nvrtc``) and ptxas run on the host, so a machine with no GPU
 can still prove that each entry of ``cupyrope.cuda.compiler.ALL_SPECIALISATIONS`` (the rope and the
-fused kernels) instantiates, lowers to a
-kernel symbol and assembles for Ampere (sm_80) and Hopper (sm_90) without register spills. This
+fused kernels) instantiates, lowers to a kernel symbol and assembles without register spills for
+Ampere (sm_80), Hopper (sm_90) and Blackwell (sm_100 data-centre, sm_120 consumer GPUs). This
 catches template errors in the ``.cuh`` headers long before a GPU run would.
 
 The specialisations go into a few programs per architecture (every fourth one in each): one
@@ -11,7 +11,10 @@ program per specialisation would parse the headers 464 times, one program for al
 keep a single pytest-xdist worker busy for minutes while the others idle. The computed-angle
 specialisations of float16 / bfloat16 / float32 are compiled a second time with float-float angles
 (``-DCUPYROPE_ANGLES_FLOAT_FLOAT=1``, the build GPUs with slow FP64 get), and the PTX of that build
-is checked for FP64 arithmetic: it has none.
+is checked for FP64 arithmetic: it has none. On Blackwell each specialisation is compiled once, with
+the angle arithmetic that architecture gets (float64 on sm_100, float-float on sm_120): a second
+pass there would add its compile time for builds no such GPU runs. Architectures this NVRTC does
+not know (Blackwell needs 12.8 or newer) skip.
 
 The tests skip when CuPy's NVRTC binding or libnvrtc is missing; CI sets
 ``CUPYROPE_REQUIRE_NVRTC=1`` so that a broken install fails there instead of silently skipping.
@@ -32,7 +35,15 @@ from cupyrope.core.abi import AngleSource
 
 pytestmark = pytest.mark.nvrtc
 
-ARCHITECTURES = ("sm_80", "sm_90")
+ARCHITECTURES = ("sm_80", "sm_90", "sm_100", "sm_120")
+# Architectures built with both angle arithmetics; the others get the one their GPUs run.
+BOTH_ARITHMETICS = ("sm_80", "sm_90")
+
+
+def arithmetic_of(arch: str) -> str:
+    """The in-kernel angle arithmetic a GPU of ``arch`` (``sm_XY``) compiles with."""
+    number = int(arch.removeprefix("sm_"))
+    return compiler.arithmetic_for_capability(number // 10, number % 10)
 
 # ptxas -v prints, per function: "N bytes stack frame, N bytes spill stores, N bytes spill loads".
 # A stack frame alone is fine (float64 range reduction of in-kernel angles needs a 40-byte local
@@ -78,8 +89,32 @@ FLOAT_FLOAT_SPECIALISATIONS = tuple(
     if spec.source == AngleSource.COMPUTED and spec.dtype != "float64"
 )
 FLOAT_FLOAT_PARTS = 2
+
+
+def _arithmetics(arch: str) -> tuple[str, ...]:
+    return ("float64", "float-float") if arch in BOTH_ARITHMETICS else (arithmetic_of(arch),)
+
+
 BUILDS = ([(arch, "float64", part) for arch in ARCHITECTURES for part in range(PARTS)]
-          + [(arch, "float-float", part) for arch in ARCHITECTURES for part in range(FLOAT_FLOAT_PARTS)])
+          + [(arch, "float-float", part) for arch in ARCHITECTURES
+             if "float-float" in _arithmetics(arch) for part in range(FLOAT_FLOAT_PARTS)])
+
+
+def _specs_of(build) -> tuple[compiler.KernelSpec, ...]:
+    """The specialisations one build compiles. The float64 builds of an architecture that runs
+    float-float angles leave out the specialisations its float-float builds take."""
+    arch, arithmetic, part = build
+    if arithmetic == "float-float":
+        return FLOAT_FLOAT_SPECIALISATIONS[part::FLOAT_FLOAT_PARTS]
+    specs = compiler.ALL_SPECIALISATIONS
+    if "float64" not in _arithmetics(arch):
+        specs = tuple(spec for spec in specs if spec not in FLOAT_FLOAT_SPECIALISATIONS)
+    return specs[part::PARTS]
+
+
+def _nvrtc_knows(nvrtc, arch: str) -> bool:
+    """Whether this NVRTC compiles for ``arch`` (getSupportedArchs: NVRTC 11.2 and newer)."""
+    return int(arch.removeprefix("sm_")) in nvrtc.getSupportedArchs()
 
 
 def _build_id(build) -> str:
@@ -91,12 +126,12 @@ def _build_id(build) -> str:
 def compiled(request) -> CompiledProgram:
     nvrtc = _nvrtc_or_skip()
     arch, arithmetic, part = request.param
+    if not _nvrtc_knows(nvrtc, arch):
+        pytest.skip(f"NVRTC {nvrtc.getVersion()} does not compile for {arch}")
     source, _ = compiler._read_sources()
-    if arithmetic == "float64":
-        specs, options = compiler.ALL_SPECIALISATIONS[part::PARTS], compiler.compile_options()
-    else:
-        specs = FLOAT_FLOAT_SPECIALISATIONS[part::FLOAT_FLOAT_PARTS]
-        options = compiler.compile_options(arithmetic)
+    specs = _specs_of(request.param)
+    options = (compiler.compile_options() if arithmetic == "float64"
+               else compiler.compile_options(arithmetic))
     expressions = [spec.name_expression for spec in specs]
 
     program = nvrtc.createProgram(source, compiler.SOURCE_FILE, [], [])
@@ -131,6 +166,24 @@ def test_specialisation_table_is_not_empty():
     assert len(compiler.SPECIALISATIONS) > 0 and len(compiler.FUSED_SPECIALISATIONS) > 0
     expressions = [spec.name_expression for spec in compiler.ALL_SPECIALISATIONS]
     assert len(set(expressions)) == len(expressions), "duplicate name expressions"
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_specialisation_is_built_for_each_architecture(arch):
+    """The builds of an architecture cover every specialisation, once per angle arithmetic that
+    it is built with (both on sm_80 / sm_90, the one its GPUs run elsewhere)."""
+    builds = [build for build in BUILDS if build[0] == arch]
+    float64 = [spec for build in builds if build[1] == "float64" for spec in _specs_of(build)]
+    float_float = [spec for build in builds if build[1] == "float-float"
+                   for spec in _specs_of(build)]
+    if arch in BOTH_ARITHMETICS:
+        assert sorted(float64, key=str) == sorted(compiler.ALL_SPECIALISATIONS, key=str)
+        assert sorted(float_float, key=str) == sorted(FLOAT_FLOAT_SPECIALISATIONS, key=str)
+    else:
+        assert sorted(float64 + float_float, key=str) == sorted(compiler.ALL_SPECIALISATIONS, key=str)
+        runs = float_float if arithmetic_of(arch) == "float-float" else float64
+        assert set(FLOAT_FLOAT_SPECIALISATIONS) <= set(runs), (
+            f"{arch}: computed-angle kernels built with an arithmetic its GPUs do not run")
 
 
 def test_every_specialisation_lowers_to_a_kernel(compiled):
@@ -259,4 +312,7 @@ def test_fp64_arithmetic_only_in_float64_angles(compiled):
             assert found.get("fma.rn.f64") and found.get("mul.f64"), (
                 f"{compiled.arch}: no float64 product and reduction in {expression}: {found}")
             checked += 1
-    assert checked, f"{compiled.arch}: no computed-angle kernel in this program"
+    if "float64" in _arithmetics(compiled.arch):
+        assert checked, f"{compiled.arch}: no computed-angle kernel in this program"
+    else:  # their float-float builds hold them (test_every_specialisation_is_built_...)
+        assert not checked, f"{compiled.arch}: float64 angles in a float-float architecture"

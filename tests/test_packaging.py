@@ -231,8 +231,8 @@ def test_ci_runs_exactly_the_readme_commands():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
     demo, tests = _fresh_machine_commands(readme)
-    assert re.fullmatch(r'pip install -e "\.\[[a-z0-9,]+\]" && python -m cupyrope', demo), demo
-    assert re.fullmatch(r'pip install -e "\.\[[a-z0-9,]*test[a-z0-9,]*\]" && python -m pytest tests',
+    assert re.fullmatch(r'python -m pip install -e "\.\[[a-z0-9,]+\]" && python -m cupyrope', demo), demo
+    assert re.fullmatch(r'python -m pip install -e "\.\[[a-z0-9,]*test[a-z0-9,]*\]" && python -m pytest tests',
                         tests), tests
     assert "^## Two commands on a fresh machine" in ci, "CI does not read the README's block"
     assert 'eval "${readme_install}"' in ci
