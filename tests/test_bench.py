@@ -549,8 +549,17 @@ def test_cli_jax_writes_its_table_json_and_plot(monkeypatch, tmp_path, capsys, w
         assert "no plot:" in captured.err
 
 
-def test_cli_jax_without_a_jax_gpu_says_so(capsys):
-    pytest.importorskip("jax")
+def test_cli_jax_without_a_jax_gpu_says_so(capsys, monkeypatch):
+    jax = pytest.importorskip("jax")
+    devices = jax.devices
+
+    def no_gpu_backend(backend=None):  # as JAX answers on a machine without its GPU plugin
+        if backend == "gpu":
+            raise RuntimeError("Unknown backend: 'gpu' requested, but no platforms that are "
+                               "instances of gpu are present.")
+        return devices(backend)
+
+    monkeypatch.setattr(jax, "devices", no_gpu_backend)
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "--jax" in capsys.readouterr().out

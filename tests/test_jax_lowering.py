@@ -124,7 +124,7 @@ def test_mrope_and_positions_outside_the_cache(rng):
 
 def _round_trip(f, *args):
     pytest.importorskip("flatbuffers", reason="jax.export's serialisation needs flatbuffers")
-    exported = jax.export.export(jax.jit(f))(*args)
+    exported = jax.export.export(jax.jit(f), platforms=("cpu",))(*args)
     exported = jax.export.deserialize(exported.serialize())
     return exported.call(*args)
 
@@ -134,16 +134,19 @@ def test_export_round_trip(rng):
     serialised, deserialised and called, the jitted call's bits. The exported module holds no
     Python callback."""
     T, Hq, Hk, D = 5, 4, 2, 32
-    q, k = jnp.asarray(random(rng, (T, Hq, D))), jnp.asarray(random(rng, (T, Hk, D)))
-    positions = jnp.asarray(rng.integers(0, 512, T).astype(np.int32))
-    cache = jnp.asarray(cr.cos_sin_cache(512, D))
-    w = jnp.asarray(rng.uniform(0.5, 1.5, D).astype(np.float32))
+    # The jax.numpy lowering on XLA's CPU, also where a GPU is the default device (the native
+    # call's export is tested in test_jax_native_gpu.py).
+    cpu = jax.devices("cpu")[0]
+    q, k = jax.device_put(random(rng, (T, Hq, D)), cpu), jax.device_put(random(rng, (T, Hk, D)), cpu)
+    positions = jax.device_put(rng.integers(0, 512, T).astype(np.int32), cpu)
+    cache = jax.device_put(cr.cos_sin_cache(512, D), cpu)
+    w = jax.device_put(rng.uniform(0.5, 1.5, D).astype(np.float32), cpu)
     calls = [lambda q, k, p: cr.apply_rope(q, k, p, cos_sin_cache=cache),
              lambda q, k, p: cr.apply_rope(q, k, p, theta=5e5),
              lambda q, k, p: cr.rms_norm_rope(q, k, w, w, p, eps=1e-6),
              lambda q, k, p: cr.apply_rope(q, k, p, out_dtype="float8_e4m3fn", q_scale=0.5)]
     for f in calls:
-        text = jax.export.export(jax.jit(f))(q, k, positions).mlir_module()
+        text = jax.export.export(jax.jit(f), platforms=("cpu",))(q, k, positions).mlir_module()
         assert "callback" not in text
         for got, want in zip(_round_trip(f, q, k, positions), jax.jit(f)(q, k, positions)):
             assert got.dtype == want.dtype
