@@ -276,3 +276,31 @@ def test_the_library_never_imports_the_benchmark_package():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
     import cupyrope.bench  # noqa: F401 - and it imports without a GPU or torch CUDA
+
+
+def test_kernel_sources_found_in_a_checkout_that_is_not_installed(monkeypatch):
+    """Without the installed package data (a plain checkout on PYTHONPATH), the sources are the
+    checkout's kernels_cu/ beside the package."""
+    import importlib.resources
+
+    from cupyrope.cuda import compiler
+
+    def not_installed(name):
+        raise ModuleNotFoundError(f"No module named {name!r}")
+
+    monkeypatch.setattr(importlib.resources, "files", not_installed)
+    folder = compiler.kernel_source_dir()
+    assert folder == PACKAGE.parent / "kernels_cu"
+    assert (folder / compiler.SOURCE_FILE).is_file()
+
+
+def test_warnings_point_at_the_caller_outside_the_package():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cr.rope_frequencies(64, scaling={"rope_type": "linear", "factor": 2.0, "beta_fast": 32})
+        # through api.py, execute.py and core/plan.py: modules of three folders
+        cr.apply_rope(np.ones((2, 1, 8), np.float32), positions=np.arange(2),
+                      scaling={"rope_type": "linear", "factor": 2.0, "beta_fast": 32})
+    assert [Path(w.filename).resolve() for w in caught] == [Path(__file__).resolve()] * 2

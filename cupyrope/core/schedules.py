@@ -397,9 +397,9 @@ def schedule_theta(theta, scaling, op_name: str) -> float:
 
 def _stacklevel_outside_package() -> int:
     """The ``stacklevel`` of the first caller outside cupyrope (a warning points at user code)."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # cupyrope/
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -116,7 +116,7 @@ def kernel_source_dir() -> Path:
     except ModuleNotFoundError:
         # Running from a source checkout that was not pip-installed: kernels_cu/ sits beside the
         # package, exactly as the wheel's package-dir mapping lays it out.
-        checkout = Path(__file__).resolve().parent.parent / "kernels_cu"
+        checkout = Path(__file__).resolve().parents[2] / "kernels_cu"  # cuda/ -> cupyrope/ -> checkout
         if not (checkout / SOURCE_FILE).is_file():
             raise FileNotFoundError(
                 f"cupyrope's CUDA sources are missing: neither the installed package data "
