@@ -504,7 +504,7 @@ def test_context_parallel_positions_torch_and_errors():
 def test_te_positions_host_equals_device_and_rotates_like_te(case):
     t, kwargs = te_input(case, torch.float64)
     host = te_positions(t, **kwargs)
-    device = compat.te._te_positions_on_device(t, kwargs["tensor_format"], kwargs.get("cu_seqlens"),
+    device = compat.te.positions_on_device(t, kwargs["tensor_format"], kwargs.get("cu_seqlens"),
                                             kwargs.get("start_positions"), kwargs.get("cp_size", 1),
                                             kwargs.get("cp_rank", 0))
     assert isinstance(host, torch.Tensor) and host.dtype == torch.int64

@@ -533,7 +533,7 @@ def test_flashinfer_rope_and_nope_in_one_launch_when_adjacent(rng, randn, monkey
         widths.append(q.shape[-1])
         return cr.apply_rope(q, k, *args, **kwargs)
 
-    monkeypatch.setattr(flashinfer, "apply_rope", counting)
+    monkeypatch.setattr(flashinfer, "cupyrope_apply_rope", counting)
     host, inputs = _fi_inputs(Backend("torch"), randn, "mla", layout)
     positions = rng.integers(0, MAX_POSITION, host[0].shape[0])
     table = cr.cos_sin_cache(MAX_POSITION, 64, dtype="float32")

@@ -7,7 +7,11 @@ Design notes (the functions and the calls they replace): docs/architecture.md#co
 
 from __future__ import annotations
 
-from .flashinfer import mla_rope_quantize_fp8, rope_quantize_fp8
+from .flashinfer import (apply_llama31_rope, apply_llama31_rope_inplace,
+                         apply_llama31_rope_pos_ids, apply_llama31_rope_pos_ids_inplace,
+                         apply_rope, apply_rope_inplace, apply_rope_pos_ids,
+                         apply_rope_pos_ids_inplace, apply_rope_with_cos_sin_cache,
+                         mla_rope_quantize_fp8, rope_quantize_fp8)
 from .hf import HFPatch, hf_apply_rotary_pos_emb, patch_hf_model
 from .sglang import FusedSetKVBufferArg, apply_rope_with_cos_sin_cache_inplace
 from .te import te_apply_rotary_pos_emb, te_cos_sin_cache
@@ -16,6 +20,15 @@ from .vllm import fused_qk_norm_rope, rope_and_reshape_and_cache_flash, rotary_e
 __all__ = [
     "FusedSetKVBufferArg",
     "HFPatch",
+    "apply_llama31_rope",
+    "apply_llama31_rope_inplace",
+    "apply_llama31_rope_pos_ids",
+    "apply_llama31_rope_pos_ids_inplace",
+    "apply_rope",
+    "apply_rope_inplace",
+    "apply_rope_pos_ids",
+    "apply_rope_pos_ids_inplace",
+    "apply_rope_with_cos_sin_cache",
     "apply_rope_with_cos_sin_cache_inplace",
     "fused_qk_norm_rope",
     "hf_apply_rotary_pos_emb",

@@ -52,7 +52,7 @@ def te_apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None
         raise ValueError(f"apply_rotary_pos_emb: need 0 <= cp_rank < cp_size, got cp_rank={cp_rank}, "
                          f"cp_size={cp_size}")
     cache = te_cos_sin_cache(freqs, interleaved=interleaved)
-    positions = _te_positions_on_device(t, tensor_format, cu_seqlens, start_positions, cp_size,
+    positions = positions_on_device(t, tensor_format, cu_seqlens, start_positions, cp_size,
                                         cp_rank)
     return apply_rope(t, positions=positions, cos_sin_cache=cache, interleaved=interleaved)
 
@@ -69,7 +69,7 @@ def te_cos_sin_cache(freqs, *, interleaved=False):
     return torch.cat((half.cos(), half.sin()), dim=-1)
 
 
-def _te_positions_on_device(t, tensor_format, cu_seqlens, start_positions, cp_size, cp_rank):
+def positions_on_device(t, tensor_format, cu_seqlens, start_positions, cp_size, cp_rank):
     """:func:`cupyrope.positions.te_positions`, with torch ops on t's device (no host reads)."""
     device = t.device
     if tensor_format == "thd":
