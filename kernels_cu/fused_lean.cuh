@@ -11,78 +11,212 @@
 // at most 32 lanes a head. Each lane owns one chunk of pairs of every head it visits, as in the
 // rope kernels, so cos/sin are loaded once per token and the lane's norm weights once per head
 // (from L1: no shared memory, no barrier).
+//
+// With a norm the kernel is bound by instruction issue on fast memory (H200), so a head's work is
+// kept to what the arithmetic needs: chunks held as 32-bit words, the weights' dtype known at
+// compile time (the q dtype, the common case), sin's sign applied once a token, rms as
+// rsqrtf(mean + eps) and each element's multiplier rms * (weight_offset + w) as one fma,
+// fma(w, rms, rms * weight_offset). Its float32 results differ from the general kernel's
+// (1 / sqrtf, a sum of squares in one chain, offset added first) by a few float32 roundings.
 #pragma once
 
+#include "dependent_launch.cuh"
 #include "fused.cuh"
 
 namespace cupyrope {
 
-// weight_offset + w of dims [dim, dim + N) of one norm weight, straight from global memory in
-// 16-byte loads (or one smaller): every head of a kind reads the same few bytes, so after the
-// first head they come from L1. No shared copy, so no barrier before the first head (a decode
-// step's latency). The host sends weights here only with unit stride and 16-byte alignment; dim
-// is a multiple of N.
-template <typename W, int N>
-__device__ __forceinline__ void load_weights_as(const void* w, int dim, float offset,
-                                                float (&out)[N]) {
-  W raw[N];
-  load_elements<true>(raw, static_cast<const W*>(w) + dim);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = offset + to_float(raw[i]);
-}
+// Heads ahead of the one being rotated whose chunks a thread prefetches into L2. With one chunk
+// in registers at a time, a thread keeps few bytes in flight; the H200 needs about twice the
+// H100's at the same latency. H200, bf16 32 q / 8 kv heads of 128, % of an SM copy at T = 16384 /
+// 65536 (docs/perf_log.md): 0 heads: rms_norm_rope 85.2 / 86.1, rope_and_cache 89.4 / 90.3, norm
+// + cache 76.2 / 77.0; 1: 91.5 / 93.3, 87.3 / 88.4, 82.0 / 83.1; 2: 91.6 / 93.9, 92.3 / 94.0,
+// 82.2 / 83.2; 3: as 2. Set at compile time to measure others.
+#ifndef CUPYROPE_LEAN_PREFETCH_HEADS
+#define CUPYROPE_LEAN_PREFETCH_HEADS 2
+#endif
+constexpr int kLeanPrefetchHeads = CUPYROPE_LEAN_PREFETCH_HEADS;
 
-template <int N>
-__device__ __forceinline__ void load_lane_weights(const FusionParams& f, const void* w, int dim,
-                                                  float (&out)[N]) {
-  const float offset = static_cast<float>(f.weight_offset);
-  if (f.weight_dtype == kWeightBFloat16) {
-    load_weights_as<bfloat16_t>(w, dim, offset, out);
-  } else if (f.weight_dtype == kWeightFloat16) {
-    load_weights_as<half_t>(w, dim, offset, out);
-  } else {
-    load_weights_as<float>(w, dim, offset, out);
+template <typename A, typename B> struct IsSame { static constexpr bool value = false; };
+template <typename A> struct IsSame<A, A> { static constexpr bool value = true; };
+
+// The norm weights' dtype as a template argument: the q dtype when the kernel was entered for
+// weights of that dtype (no dtype switch per load, the conversion known at compile time), else
+// RuntimeWeights (f.weight_dtype picks the conversion at each load).
+struct RuntimeWeights {};
+
+template <typename T> struct WeightDtypeOf { static constexpr long long value = -1; };
+template <> struct WeightDtypeOf<float> { static constexpr long long value = kWeightFloat32; };
+template <> struct WeightDtypeOf<half_t> { static constexpr long long value = kWeightFloat16; };
+template <> struct WeightDtypeOf<bfloat16_t> { static constexpr long long value = kWeightBFloat16; };
+
+// Elements of 16 bytes.
+template <typename T>
+struct Words {
+  static constexpr int count = 16 / static_cast<int>(sizeof(T));
+};
+
+// The elements of 16 bytes held as four 32-bit words, as float32. Held as words, a chunk takes
+// four registers per access (as an array of 16-bit elements the compiler gave each element one of
+// its own). bfloat16: the low element shifted up, the high one masked in place (one instruction
+// each; extracted element by element, the high one takes two).
+template <typename T>
+__device__ __forceinline__ void words_to_floats(const uint4& w, float (&out)[Words<T>::count]) {
+  const unsigned word[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (IsSame<T, bfloat16_t>::value) {
+      out[2 * j] = __uint_as_float(word[j] << 16);
+      out[2 * j + 1] = __uint_as_float(word[j] & 0xffff0000u);
+    } else if constexpr (IsSame<T, half_t>::value) {
+      out[2 * j] = to_float(half_t{static_cast<unsigned short>(word[j] & 0xffffu)});
+      out[2 * j + 1] = to_float(half_t{static_cast<unsigned short>(word[j] >> 16)});
+    } else {
+      out[j] = __uint_as_float(word[j]);
+    }
   }
 }
 
-// One head's chunk: normalised (NORM: x * (rms_scale * w), as the general kernel), rotated, and
-// stored to the output row and, for a k head with a cache slot, to its k cache row.
-template <typename T, int P, bool INTERLEAVED, bool NORM, bool CACHE>
-__device__ __forceinline__ void lean_rotate_store(const FusionParams& f,
-                                                  const HeadChunk<T, P, true, INTERLEAVED>& chunk,
-                                                  int pair0, int half, const void* head_weights,
-                                                  float rms_scale, const float (&cos_v)[P],
-                                                  const float (&sin_v)[P], float sin_sign,
-                                                  void* out, int out_offset, float out_inv_scale,
-                                                  long long cache_offset, float cache_inv_scale) {
-  constexpr int E = INTERLEAVED ? 2 * P : P;  // elements of one 16-byte access
-  float x1[P], x2[P];
-#pragma unroll
-  for (int i = 0; i < P; ++i) {
-    x1[i] = to_float(INTERLEAVED ? chunk.first[2 * i] : chunk.first[i]);
-    x2[i] = to_float(INTERLEAVED ? chunk.first[2 * i + 1] : chunk.second[i]);
-  }
-  if constexpr (NORM) {
+// One head's chunk of a lane, as words: one 16-byte access of side-by-side pairs (interleaved) or
+// one from each half (NeoX).
+template <typename T, bool INTERLEAVED>
+struct LeanChunk {
+  uint4 first, second;  // second: NeoX only
+
+  __device__ __forceinline__ void load(const T* in, int pair0, int half) {
     if constexpr (INTERLEAVED) {
-      float w[E];
-      load_lane_weights(f, head_weights, 2 * pair0, w);
+      first = *reinterpret_cast<const uint4*>(in + 2 * pair0);
+    } else {
+      first = *reinterpret_cast<const uint4*>(in + pair0);
+      second = *reinterpret_cast<const uint4*>(in + half + pair0);
+    }
+  }
+
+  // A hint to bring the chunk into L2 (no registers, no wait): the head it is for loads later.
+  __device__ __forceinline__ void prefetch(const T* in, int pair0, int half) const {
+    if constexpr (INTERLEAVED) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(in + 2 * pair0));
+    } else {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(in + pair0));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(in + half + pair0));
+    }
+  }
+
+  // x1 / x2: the first / second element of each pair, as float32.
+  template <int P>
+  __device__ __forceinline__ void pairs(float (&x1)[P], float (&x2)[P]) const {
+    if constexpr (INTERLEAVED) {
+      float x[2 * P];
+      words_to_floats<T>(first, x);
 #pragma unroll
       for (int i = 0; i < P; ++i) {
-        x1[i] *= rms_scale * w[2 * i];
-        x2[i] *= rms_scale * w[2 * i + 1];
+        x1[i] = x[2 * i];
+        x2[i] = x[2 * i + 1];
+      }
+    } else {
+      words_to_floats<T>(first, x1);
+      words_to_floats<T>(second, x2);
+    }
+  }
+
+  // The chunk's sum of squares, as two sums (first and second elements of the pairs) added at
+  // the end: two dependency chains of P fmas instead of one of 2 P.
+  template <int P>
+  __device__ __forceinline__ float sum_of_squares() const {
+    float x1[P], x2[P];
+    pairs(x1, x2);
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      s1 = fmaf(x1[i], x1[i], s1);
+      s2 = fmaf(x2[i], x2[i], s2);
+    }
+    return s1 + s2;
+  }
+};
+
+// w of dims [dim, dim + N) of one norm weight, straight from global memory in 16-byte loads (or
+// one smaller): every head of a kind reads the same few bytes, so after the first head they come
+// from L1. No shared copy, so no barrier before the first head (a decode step's latency). The host
+// sends weights here only with unit stride and 16-byte alignment; dim is a multiple of N.
+template <typename W, int N>
+__device__ __forceinline__ void load_weights_as(const void* w, int dim, float (&out)[N]) {
+  if constexpr (N == Words<W>::count) {
+    words_to_floats<W>(*reinterpret_cast<const uint4*>(static_cast<const W*>(w) + dim), out);
+  } else {
+    W raw[N];
+    load_elements<true>(raw, static_cast<const W*>(w) + dim);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(raw[i]);
+  }
+}
+
+template <typename W, int N>
+__device__ __forceinline__ void load_lane_weights(const FusionParams& f, const void* w, int dim,
+                                                  float (&out)[N]) {
+  if constexpr (!IsSame<W, RuntimeWeights>::value) {
+    load_weights_as<W>(w, dim, out);
+  } else if (static_cast<int>(f.weight_dtype) == kWeightBFloat16) {
+    load_weights_as<bfloat16_t>(w, dim, out);
+  } else if (static_cast<int>(f.weight_dtype) == kWeightFloat16) {
+    load_weights_as<half_t>(w, dim, out);
+  } else {
+    load_weights_as<float>(w, dim, out);
+  }
+}
+
+// Values of one head to its output row or k cache row: as the input dtype, or as fp8 with the
+// reciprocal of q's or k's scale computed on that path only. (Computed once at the start, the
+// reciprocals spilled; picked per head before the store, the compiler computed the reciprocal of
+// the picked scale for every head, fp8 or not.)
+template <typename T, int N, typename Index>
+__device__ __forceinline__ void lean_store(const FusionParams& f, void* base, Index offset,
+                                           const float (&v)[N], long long format, bool is_k) {
+  if (format == kStoreInput) {
+    store_values<T, true>(base, offset, v, kStoreInput, 1.0f);
+  } else {
+    const float inv_scale = is_k ? inverse_scale_of(f.k_scale, f.k_scale_value)
+                                 : inverse_scale_of(f.q_scale, f.q_scale_value);
+    store_values<T, true>(base, offset, v, format, inv_scale);
+  }
+}
+
+// One head's chunk: normalised (NORM: x * (rms_scale * (weight_offset + w)), the product as one
+// fma), rotated (sin carries the sign already) and stored to the output row and, for a k head
+// with a cache slot, to its k cache row.
+template <typename T, int P, bool INTERLEAVED, bool NORM, bool CACHE, typename W>
+__device__ __forceinline__ void lean_rotate_store(const FusionParams& f,
+                                                  const LeanChunk<T, INTERLEAVED>& chunk,
+                                                  int pair0, int half, const void* head_weights,
+                                                  float weight_offset, float rms_scale,
+                                                  const float (&cos_v)[P], const float (&sin_v)[P],
+                                                  bool is_k, void* out, int out_offset,
+                                                  long long cache_offset) {
+  constexpr int E = INTERLEAVED ? 2 * P : P;  // elements of one 16-byte access
+  float x1[P], x2[P];
+  chunk.pairs(x1, x2);
+  if constexpr (NORM) {
+    const float scaled_offset = rms_scale * weight_offset;
+    if constexpr (INTERLEAVED) {
+      float w[E];
+      load_lane_weights<W>(f, head_weights, 2 * pair0, w);
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        x1[i] *= fmaf(w[2 * i], rms_scale, scaled_offset);
+        x2[i] *= fmaf(w[2 * i + 1], rms_scale, scaled_offset);
       }
     } else {
       float w[P];
-      load_lane_weights(f, head_weights, pair0, w);
+      load_lane_weights<W>(f, head_weights, pair0, w);
 #pragma unroll
-      for (int i = 0; i < P; ++i) x1[i] *= rms_scale * w[i];
-      load_lane_weights(f, head_weights, half + pair0, w);
+      for (int i = 0; i < P; ++i) x1[i] *= fmaf(w[i], rms_scale, scaled_offset);
+      load_lane_weights<W>(f, head_weights, half + pair0, w);
 #pragma unroll
-      for (int i = 0; i < P; ++i) x2[i] *= rms_scale * w[i];
+      for (int i = 0; i < P; ++i) x2[i] *= fmaf(w[i], rms_scale, scaled_offset);
     }
   }
   float y1[P], y2[P];
 #pragma unroll
-  for (int i = 0; i < P; ++i) rotate_pair(x1[i], x2[i], cos_v[i], sin_v[i], sin_sign, y1[i], y2[i]);
+  for (int i = 0; i < P; ++i) rotate_pair(x1[i], x2[i], cos_v[i], sin_v[i], 1.0f, y1[i], y2[i]);
   if constexpr (INTERLEAVED) {
     float y[E];
 #pragma unroll
@@ -90,39 +224,73 @@ __device__ __forceinline__ void lean_rotate_store(const FusionParams& f,
       y[2 * i] = y1[i];
       y[2 * i + 1] = y2[i];
     }
-    store_values<T, true>(out, out_offset + 2 * pair0, y, f.out_format, out_inv_scale);
+    lean_store<T>(f, out, out_offset + 2 * pair0, y, f.out_format, is_k);
     if constexpr (CACHE) {
       if (cache_offset >= 0) {
-        store_values<T, true>(f.k_cache, cache_offset + 2 * pair0, y, f.cache_format,
-                              cache_inv_scale);
+        lean_store<T>(f, f.k_cache, cache_offset + 2 * pair0, y, f.cache_format, true);
       }
     }
   } else {
-    store_values<T, true>(out, out_offset + pair0, y1, f.out_format, out_inv_scale);
-    store_values<T, true>(out, out_offset + half + pair0, y2, f.out_format, out_inv_scale);
+    lean_store<T>(f, out, out_offset + pair0, y1, f.out_format, is_k);
+    lean_store<T>(f, out, out_offset + half + pair0, y2, f.out_format, is_k);
     if constexpr (CACHE) {
       if (cache_offset >= 0) {
-        store_values<T, true>(f.k_cache, cache_offset + pair0, y1, f.cache_format,
-                              cache_inv_scale);
-        store_values<T, true>(f.k_cache, cache_offset + half + pair0, y2, f.cache_format,
-                              cache_inv_scale);
+        lean_store<T>(f, f.k_cache, cache_offset + pair0, y1, f.cache_format, true);
+        lean_store<T>(f, f.k_cache, cache_offset + half + pair0, y2, f.cache_format, true);
       }
     }
   }
 }
 
-template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool NORM, bool CACHE>
+// v head `vh` of the token into the v cache, as store_v_head, with a lane's chunks loaded two at a
+// time before either is stored (a bfloat16 head of 128 dims over 8 lanes: both of a lane's chunks
+// in flight at once), copied as they are when the cache takes the input dtype.
+template <typename T>
+__device__ __forceinline__ void lean_store_v_head(const FusionParams& f, int token, int vh,
+                                                  long long v_base, int head_chunks) {
+  constexpr int A = Words<T>::count;
+  const T* v_row = static_cast<const T*>(f.v) + token * static_cast<int>(f.v_token_stride) +
+                   vh * static_cast<int>(f.v_head_stride);
+  const long long row = v_base + static_cast<long long>(vh) * f.v_cache_head_stride;
+  const int lanes = static_cast<int>(ntid_x());
+  for (int c = static_cast<int>(tid_x()); c < head_chunks; c += 2 * lanes) {
+    const int c2 = c + lanes;
+    const bool second = c2 < head_chunks;
+    const uint4 a = *reinterpret_cast<const uint4*>(v_row + c * A);
+    uint4 b;
+    if (second) b = *reinterpret_cast<const uint4*>(v_row + c2 * A);
+    if (v_base < 0) continue;
+    if (f.cache_format == kStoreInput) {
+      T* const cache = static_cast<T*>(f.v_cache) + row;
+      *reinterpret_cast<uint4*>(cache + c * A) = a;
+      if (second) *reinterpret_cast<uint4*>(cache + c2 * A) = b;
+    } else {
+      const float inv_scale = inverse_scale_of(f.v_scale, f.v_scale_value);
+      float v[A];
+      words_to_floats<T>(a, v);
+      store_values<T, true>(f.v_cache, row + static_cast<long long>(c) * A, v, f.cache_format,
+                            inv_scale);
+      if (second) {
+        words_to_floats<T>(b, v);
+        store_values<T, true>(f.v_cache, row + static_cast<long long>(c2) * A, v,
+                              f.cache_format, inv_scale);
+      }
+    }
+  }
+}
+
+template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool NORM, bool CACHE,
+          typename W>
 __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, const FusionParams& f) {
   using Index = int;  // lean kernels use 32-bit offsets (cache rows stay 64-bit)
   using L = Layout<T, true, INTERLEAVED>;
-  using Chunk = HeadChunk<T, L::pairs, true, INTERLEAVED>;
+  using Chunk = LeanChunk<T, INTERLEAVED>;
   constexpr int P = L::pairs;
   constexpr int A = L::access;
 
   const TableT* __restrict__ cos_table = static_cast<const TableT*>(p.cos);
   const TableT* __restrict__ sin_table = static_cast<const TableT*>(p.sin);
   const float sin_sign = static_cast<float>(p.sin_sign);
-  const float head_sign = SOURCE == kComputedAngles ? 1.0f : sin_sign;  // see HeadChunk
 
   const Index head_dim = static_cast<Index>(p.head_dim);
   const Index half = static_cast<Index>(p.rotary_dim) / 2;
@@ -139,57 +307,113 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
   // nothing but take part in the reduction.
   const bool active = static_cast<Index>(tid_x()) < num_chunks;
 
-  const FusedConstants consts = fused_constants(f, head_dim);
+  // The norm's constants (the fp8 stores compute their scales' reciprocals where they store).
+  const float inv_dim = 1.0f / static_cast<float>(head_dim), eps = static_cast<float>(f.eps);
+  const float weight_offset = static_cast<float>(f.weight_offset);
   const Index first_token = static_cast<Index>(blockIdx.x) * ntid_z() + tid_z();
+  // Everything up to here reads parameters only: with a programmatic dependent launch it overlaps
+  // the previous kernel's tail (a decode step's latency), as in the decode kernel.
+  wait_for_previous_grid();
   for (Index token = first_token; token < num_tokens; token += token_step) {
     const TokenOffsets<Index> o = lean_token_offsets(p, token);
+    long long position = 0;
+    if (active) {
+      if constexpr (SOURCE != kTokenTables) position = load_position(p, o.positions);
+    }
+    SlotRows slot{-1, -1};
+    if constexpr (CACHE) slot = slot_rows(f, static_cast<long long>(token));
+    // The first head's chunk is loaded before table-read cos/sin: its load overlaps the
+    // position's (and the slot's), and the sign folded into sin below waits for the table, not
+    // the chunk. With computed angles it comes after them (before, it held 8 registers through
+    // their float64 arithmetic, which spilled).
+    Index head = first_head;
+    Chunk chunk;
+    const bool load_first = active && head < num_rotated;
+    if (SOURCE != kComputedAngles && load_first) {
+      chunk.load(head_rows<T, Index>(p, o, head).in, pair0, half);
+    }
     float cos_v[P], sin_v[P];
     if (active) {
-      long long position = 0;
-      if constexpr (SOURCE != kTokenTables) position = load_position(p, o.positions);
       chunk_angles<SOURCE, true>(p, o, position, pair0, cos_table, sin_table,
                                  static_cast<Index>(p.cos_col_stride),
                                  static_cast<Index>(p.sin_col_stride), true, sin_sign, cos_v,
                                  sin_v);
     }
-    SlotRows slot{-1, -1};
-    if constexpr (CACHE) slot = slot_rows(f, static_cast<long long>(token));
+    if (SOURCE == kComputedAngles && load_first) {
+      chunk.load(head_rows<T, Index>(p, o, head).in, pair0, half);
+    }
+    if constexpr (CACHE) {
+      // The v heads of this thread (after its q and k heads on its stride), to the v cache
+      // unchanged but for fp8: here, so that their rows load while cos/sin and the first chunk
+      // do, and the slot's v row is dead in the head loop.
+      for (Index vhead = first_v_head_of(first_head, head_step, num_rotated); vhead < num_heads;
+           vhead += head_step) {
+        lean_store_v_head<T>(f, token, vhead - num_rotated, slot.v_base, head_chunks);
+      }
+    }
+    // Table-read angles take the sign here, once a token (computed ones have it): one multiply per
+    // pair and token instead of two per pair and head.
+    if constexpr (SOURCE != kComputedAngles) {
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < P; ++i) sin_v[i] *= sin_sign;
+      }
+    }
 
-    for (Index head = first_head; head < num_rotated; head += head_step) {
+    // The chunks of the thread's next kLeanPrefetchHeads heads are on their way to L2 while this
+    // one is reduced and stored: bytes in flight that cost no registers.
+    if (active) {
+#pragma unroll
+      for (int ahead = 1; ahead < kLeanPrefetchHeads; ++ahead) {
+        const Index h = head + ahead * head_step;
+        if (h < num_rotated) chunk.prefetch(head_rows<T, Index>(p, o, h).in, pair0, half);
+      }
+    }
+    while (head < num_rotated) {
+      if (kLeanPrefetchHeads > 0 && active) {
+        const Index h = head + kLeanPrefetchHeads * head_step;
+        if (h < num_rotated) chunk.prefetch(head_rows<T, Index>(p, o, h).in, pair0, half);
+      }
       const bool is_k = head >= num_q_heads;
       const Index kh = head - num_q_heads;
-      const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
-      Chunk chunk;
-      if (active) chunk.load(rows.in, pair0, half);
       float rms_scale = 1.0f;
       if constexpr (NORM) {
         // Every lane of the head shuffles, the inactive ones with a zero sum.
-        const float sum = lanes_sum(active ? sum_of_squares(chunk) : 0.0f);
-        rms_scale = 1.0f / sqrtf(fmaf(sum, consts.inv_dim, consts.eps));
+        const float sum = lanes_sum(active ? chunk.template sum_of_squares<P>() : 0.0f);
+        rms_scale = rsqrtf(fmaf(sum, inv_dim, eps));
       }
-      if (!active) continue;
-      long long cache_offset = -1;
-      if constexpr (CACHE) {
-        if (is_k && slot.k_base >= 0) {
-          cache_offset = slot.k_base + static_cast<long long>(kh) * f.k_cache_head_stride;
+      if (active) {
+        long long cache_offset = -1;
+        if constexpr (CACHE) {
+          if (is_k && slot.k_base >= 0) {
+            cache_offset = slot.k_base + static_cast<long long>(kh) * f.k_cache_head_stride;
+          }
         }
+        lean_rotate_store<T, P, INTERLEAVED, NORM, CACHE, W>(
+            f, chunk, pair0, half, is_k ? f.k_weight : f.q_weight, weight_offset, rms_scale,
+            cos_v, sin_v, is_k, is_k ? p.k_out : p.q_out,
+            is_k ? o.k_out + kh * static_cast<Index>(p.k_out_head_stride)
+                 : o.q_out + head * static_cast<Index>(p.q_out_head_stride),
+            cache_offset);
       }
-      lean_rotate_store<T, P, INTERLEAVED, NORM, CACHE>(
-          f, chunk, pair0, half, is_k ? f.k_weight : f.q_weight, rms_scale,
-          cos_v, sin_v, head_sign, is_k ? p.k_out : p.q_out,
-          is_k ? o.k_out + kh * static_cast<Index>(p.k_out_head_stride)
-               : o.q_out + head * static_cast<Index>(p.q_out_head_stride),
-          is_k ? consts.k_inv_scale : consts.q_inv_scale, cache_offset, consts.k_inv_scale);
-    }
-    if constexpr (CACHE) {
-      // The v heads, after this thread's q and k heads: to the v cache, unchanged but for fp8.
-      for (Index head = first_v_head_of(first_head, head_step, num_rotated); head < num_heads;
-           head += head_step) {
-        store_v_head<T, true, A>(f, token, head - num_rotated, slot.v_base, head_chunks,
-                                 consts.v_inv_scale);
-      }
+      head += head_step;
+      // After this head's stores: in place, they may be the rows a later load reads.
+      if (active && head < num_rotated) chunk.load(head_rows<T, Index>(p, o, head).in, pair0, half);
     }
   }
+}
+
+// The kernel body for the weights' dtype: compiled for the q dtype and for any other dtype;
+// without a norm, once.
+template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool NORM, bool CACHE>
+__device__ __forceinline__ void rope_fused_lean_body(const RopeParams& p, const FusionParams& f) {
+  if constexpr (NORM) {
+    if (f.weight_dtype == WeightDtypeOf<T>::value) {
+      rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, T>(p, f);
+      return;
+    }
+  }
+  rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, RuntimeWeights>(p, f);
 }
 
 }  // namespace cupyrope

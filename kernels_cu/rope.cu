@@ -233,30 +233,42 @@ void rope_fused_kernel(const RopeParams p, const FusionParams f) {
 
 // The fused ops in the lean layout, one kernel per set of fusions (NORM, CACHE): 4 resident blocks
 // (64 registers), 3 (80) where 64 spill: the norm with the cache write, and the norm of float16
-// NeoX heads. On Blackwell the cache write of float16 NeoX heads spills 4 bytes under those caps
-// (NVRTC 13.0): there it takes one block fewer.
-template <typename T, bool INTERLEAVED, bool NORM, bool CACHE>
+// NeoX heads. One block fewer where those caps spill: on Blackwell the cache write of 16-bit NeoX
+// heads (float16: 4 bytes under NVRTC 13.0; the cache write alone, float16 or bfloat16: 32-72
+// bytes once its chunks are held as words; the bfloat16 norm with the cache write keeps 3), and
+// in float-float builds for sm_89 / sm_90 the computed angles of bfloat16 NeoX heads with the norm
+// or the cache write alone (4-12 bytes).
+template <typename T, bool INTERLEAVED, bool NORM, bool CACHE, int SOURCE>
 struct FusedLeanMinBlocksPerSM {
   static constexpr int hopper = NORM && (CACHE || (IsHalf<T>::value && !INTERLEAVED)) ? 3 : 4;
+  static constexpr bool bfloat16 = sizeof(T) == 2 && !IsHalf<T>::value;
 #if __CUDA_ARCH__ >= 1000
-  static constexpr int value = hopper - (CACHE && IsHalf<T>::value && !INTERLEAVED ? 1 : 0);
+  static constexpr int value =
+      hopper - (CACHE && !INTERLEAVED && (IsHalf<T>::value || (!NORM && bfloat16)) ? 1 : 0);
+#elif __CUDA_ARCH__ >= 890 && CUPYROPE_ANGLES_FLOAT_FLOAT
+  static constexpr int value =
+      hopper - (SOURCE == kComputedAngles && bfloat16 && !INTERLEAVED && NORM != CACHE ? 1 : 0);
 #else
   static constexpr int value = hopper;
 #endif
+  // XLA's native entry (frontends/jax/native.py) rebuilds the parameters from flat arguments,
+  // which costs the float16 NeoX cache write 16 bytes of stack at 64 registers on sm_90: one
+  // block fewer there, unless the architecture's bound already took it.
+  static constexpr int flat_entry =
+      value - (value == hopper && CACHE && !NORM && IsHalf<T>::value && !INTERLEAVED ? 1 : 0);
 };
 
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
           bool NORM, bool CACHE>
 __device__ __forceinline__ void rope_fused_lean(const RopeParams& p, const FusionParams& f) {
   static_assert(VECTOR && !WIDE_INDEX, "lean kernels take 16-byte accesses and 32-bit offsets");
-  wait_for_previous_grid();  // a no-op unless the host made this a programmatic dependent launch
-  rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE>(p, f);
+  rope_fused_lean_body<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE>(p, f);
 }
 
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
           bool NORM, bool CACHE>
 __global__ __launch_bounds__(kMaxThreadsPerBlock,
-                             FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE>::value)
+                             FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE, SOURCE>::value)
 void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
   rope_fused_lean<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, NORM, CACHE>(p, f);
 }

@@ -12,9 +12,18 @@ Reference shape (bf16 q ``[T, 32, 128]``, k and v ``[T, 8, 128]``, int64 positio
 - ``rope_and_cache``: ``cupyrope-fused`` (:func:`cupyrope.rope_and_cache`), ``unfused-eager``
   (``apply_rope``, then ``index_copy_`` of k and of v into the caches' slot rows),
   ``unfused-compile`` (``torch.compile`` of the HF RoPE and the two cache stores);
+- ``norm+rope+cache``: ``rope_and_cache`` with the norm weights, against RMSNorm, then the
+  ``rope_and_cache`` sequences above;
+- ``rope_and_cache HND`` / ``rope_and_cache fp8``: the cache write into ``[blocks, 8, 16, 128]``
+  caches, or into float8_e4m3fn caches with a scale (the unfused sequence quantises before storing);
 - ``fp8 out``: ``cupyrope-fused`` (``apply_rope(out_dtype="float8_e4m3fn")``), ``unfused-eager``
   (``apply_rope`` then ``(x / scale).clamp(...).to(fp8)``), ``unfused-compile``;
+- ``plain-rope`` (under ``rms_norm_rope``, whose bytes it moves): ``apply_rope`` in place, the
+  decode yardstick (a fused op's decode target is 1.3x it);
 - ``copy``: one SM copy of every byte the fused op must read and write once.
+
+T <= 512 (decode and small batches) is timed per call in a CUDA graph of 20 calls, in place where
+the op allows it; larger T per eager call with inputs rotating so that every call reads DRAM.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import functools
 import traceback
 from typing import Sequence
 
-from .clocks import gpu_time_us, input_sets_for, require_cuda
+from .clocks import gpu_time_us, graph_time_us, input_sets_for, require_cuda
 from .peers import Unavailable, compiled_hf_rope, hf_rope, peer_status
 from .progress import Progress
 from .workloads import RopeShape, Workload, sm_copy
@@ -33,9 +42,13 @@ HQ, HK, D = 32, 8, 128
 BLOCK_SIZE = 16
 EPS = 1e-6
 FP8_SCALE = 0.5
-FUSED_OPS = ("rms_norm_rope", "rope_and_cache", "fp8 out")
-FUSED_IMPLS = ("copy", "cupyrope-fused", "unfused-eager", "unfused-compile")
-FUSED_TOKENS = (4096, 16384, 65536)
+FUSED_OPS = ("rms_norm_rope", "rope_and_cache", "norm+rope+cache", "rope_and_cache HND",
+             "rope_and_cache fp8", "fp8 out")
+CACHE_OPS = ("rope_and_cache", "norm+rope+cache", "rope_and_cache HND", "rope_and_cache fp8")
+FUSED_IMPLS = ("copy", "cupyrope-fused", "plain-rope", "unfused-eager", "unfused-compile")
+FUSED_TOKENS = (1, 32, 512, 4096, 16384, 65536)
+GRAPH_MAX_TOKENS = 512  # at most this many tokens: GPU time per call in a CUDA graph
+DECODE_TARGET_RATIO = 1.3  # a fused op's decode time over apply_rope's in place, at most
 
 
 class FusedData:
@@ -70,9 +83,26 @@ class FusedData:
         self.k_cache = torch.zeros(num_blocks, BLOCK_SIZE, HK, D, device=device,
                                    dtype=torch.bfloat16)
         self.v_cache = torch.zeros_like(self.k_cache)
+        self._num_blocks = num_blocks
+        self._other_caches: dict[str, tuple] = {}  # HND and fp8, made when an op first asks
         rows = torch.arange(BLOCK_SIZE, device=device)
         self.slots = [(torch.randperm(num_blocks, device=device, generator=g)[:, None] * BLOCK_SIZE
                        + rows).flatten()[:tokens].contiguous() for _ in range(n)]
+
+    def caches(self, op: str) -> tuple:
+        """(k_cache, v_cache) of a cache op: NHD bf16, HND bf16 or NHD float8_e4m3fn."""
+        import torch
+
+        if op in ("rope_and_cache", "norm+rope+cache"):
+            return self.k_cache, self.v_cache
+        if op not in self._other_caches:
+            if op == "rope_and_cache HND":
+                shape, dtype = (self._num_blocks, HK, BLOCK_SIZE, D), torch.bfloat16
+            else:
+                shape, dtype = (self._num_blocks, BLOCK_SIZE, HK, D), torch.float8_e4m3fn
+            self._other_caches[op] = tuple(torch.zeros(shape, device=self.device, dtype=dtype)
+                                           for _ in range(2))
+        return self._other_caches[op]
 
     def bytes_moved(self, op: str) -> int:
         """Every byte the fused op must read and write once (positions and cos/sin rows too)."""
@@ -83,7 +113,8 @@ class FusedData:
         if op == "fp8 out":
             return qk + qk // 2 + angles
         kv = self.tokens * HK * D * 2
-        return 2 * qk + kv + 2 * kv + angles + self.tokens * 8  # + v, k/v cache rows, slots
+        cache_rows = kv if op == "rope_and_cache fp8" else 2 * kv  # k and v rows, 1 or 2 bytes
+        return 2 * qk + kv + cache_rows + angles + self.tokens * 8  # + v, cache rows, slots
 
     def arg_sets(self, op: str) -> list[tuple]:
         """The arguments of each set for ``op``'s workloads."""
@@ -94,8 +125,9 @@ class FusedData:
             elif op == "fp8 out":
                 sets.append((q, k, positions, self.cache))
             else:
+                weights = (self.q_weight, self.k_weight) if op == "norm+rope+cache" else ()
                 sets.append((q, k, self.v[i], positions, self.cache, self.slots[i],
-                             self.k_cache, self.v_cache))
+                             *self.caches(op), *weights))
         return sets
 
 
@@ -124,10 +156,32 @@ def unfused(op: str, rope):
             return _quantize(q_out), _quantize(k_out)
         return rope_fp8
 
+    if op == "norm+rope+cache":
+        then_cache = unfused("rope_and_cache", rope)
+
+        def norm_rope_cache(q, k, v, positions, cache, slots, k_cache, v_cache, qw, kw):
+            return then_cache(_rms_norm(q, qw), _rms_norm(k, kw), v, positions, cache, slots,
+                              k_cache, v_cache)
+        return norm_rope_cache
+    if op == "rope_and_cache HND":
+        def rope_cache_hnd(q, k, v, positions, cache, slots, k_cache, v_cache):
+            q_out, k_out = rope(q, k, positions, cache)
+            blocks, rows = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+            k_cache[blocks, :, rows] = k_out
+            v_cache[blocks, :, rows] = v
+            return q_out, k_out
+        return rope_cache_hnd
+    def store(cache, slots, x):
+        if op == "rope_and_cache fp8":  # fp8 quantised, its bits copied (no fp8 index_copy_)
+            import torch
+
+            cache, x = cache.view(torch.uint8), _quantize(x).view(torch.uint8)
+        cache.view(-1, HK, D).index_copy_(0, slots, x)
+
     def rope_cache(q, k, v, positions, cache, slots, k_cache, v_cache):
         q_out, k_out = rope(q, k, positions, cache)
-        k_cache.view(-1, HK, D).index_copy_(0, slots, k_out)
-        v_cache.view(-1, HK, D).index_copy_(0, slots, v)
+        store(k_cache, slots, k_out)
+        store(v_cache, slots, v)
         return q_out, k_out
     return rope_cache
 
@@ -161,10 +215,26 @@ def fused(op: str, inplace: bool = False):
                                  q_scale=FP8_SCALE, k_scale=FP8_SCALE)
         return rope_fp8
 
-    def rope_cache(q, k, v, positions, cache, slots, k_cache, v_cache):
+    options = {"rope_and_cache HND": dict(layout="HND"),
+               "rope_and_cache fp8": dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)}.get(op, {})
+
+    def rope_cache(q, k, v, positions, cache, slots, k_cache, v_cache, qw=None, kw=None):
+        if qw is not None:
+            options.update(q_weight=qw, k_weight=kw, eps=EPS)
         return cr.rope_and_cache(q, k, v, positions, k_cache, v_cache, slots,
-                                 cos_sin_cache=cache, inplace=inplace)
+                                 cos_sin_cache=cache, inplace=inplace, **options)
     return rope_cache
+
+
+def plain_rope(op: str):
+    """apply_rope in place on the q and k of ``op``'s arguments: the decode yardstick."""
+    import cupyrope as cr
+
+    def rope_inplace(q, k, *rest):
+        positions, cache = (rest[0], rest[1]) if op in ("rms_norm_rope", "fp8 out") else (
+            rest[1], rest[2])
+        return cr.apply_rope(q, k, positions, cos_sin_cache=cache, inplace=True)
+    return rope_inplace
 
 
 def make_fused_workload(op: str, impl: str, data: FusedData) -> Workload:
@@ -174,7 +244,11 @@ def make_fused_workload(op: str, impl: str, data: FusedData) -> Workload:
     if impl == "copy":
         return sm_copy(nbytes // 2, device=data.device)
     if impl == "cupyrope-fused":
-        fn = fused(op)
+        # Small launches in place (a decode step rotates its q and k where they are); the fp8
+        # outputs are new arrays by nature.
+        fn = fused(op, inplace=data.tokens <= GRAPH_MAX_TOKENS and op != "fp8 out")
+    elif impl == "plain-rope":
+        fn = plain_rope(op)
     elif impl == "unfused-eager":
         fn = unfused(op, _cupyrope_rope)
     elif impl == "unfused-compile":
@@ -208,17 +282,26 @@ def fused_sweep(tokens: Sequence[int] = FUSED_TOKENS, *, ops: Sequence[str] = FU
     an unfused one that cannot run is left out with a note."""
     torch = require_cuda()
     order = ("copy",) + tuple(i for i in impls if i != "copy")
+
+    def impls_of(op):  # apply_rope moves rms_norm_rope's bytes: timed there only
+        return [i for i in order if i != "plain-rope" or op == "rms_norm_rope"]
+
     rows: list[FusedRow] = []
-    with Progress(len(tokens) * len(ops) * len(order), enabled=progress) as bar:
+    cases = len(tokens) * sum(len(impls_of(op)) for op in ops)
+    with Progress(cases, enabled=progress) as bar:
         for t in tokens:
             data = FusedData(t)
             for op in ops:
                 copy_us = None
-                for impl in order:
+                for impl in impls_of(op):
                     bar.case(f"T={t} {op} {impl}")
                     try:
                         work = make_fused_workload(op, impl, data)
-                        us = gpu_time_us(work.fn, rotate_inputs=work.arg_sets, repeats=repeats)
+                        if t <= GRAPH_MAX_TOKENS:
+                            us = graph_time_us(work.fn, rotate_inputs=work.arg_sets)
+                        else:
+                            us = gpu_time_us(work.fn, rotate_inputs=work.arg_sets,
+                                             repeats=repeats)
                     except Unavailable as exc:
                         bar.note(f"T={t} {op} {impl}: skipped ({exc})")
                         continue
@@ -253,7 +336,31 @@ def format_fused_table(rows: Sequence[FusedRow], gpu_name: str) -> str:
                        f"{r.pct_of_copy:.1f}"] for r in rows],
                      headers=["op", "T", "impl", "µs", "GB/s", "% of SM copy"], tablefmt="pipe",
                      disable_numparse=True)
-    return "\n".join([header, "", lines])
+    return "\n".join([header, "", format_fused_summary(rows), "", lines])
+
+
+def format_fused_summary(rows: Sequence[FusedRow]) -> str:
+    """Markdown, one line per (op, T): cupyrope's % of the SM copy (µs at T <= 512, graph of 20),
+    its speed-up over torch.compile of the unfused sequence, and at T <= 512 its time over
+    ``apply_rope`` in place (the decode target: at most 1.3)."""
+    from tabulate import tabulate
+
+    by_case = {(r.op, r.tokens, r.impl): r for r in rows}
+    plain = {r.tokens: r.us for r in rows if r.impl == "plain-rope"}
+    table = []
+    for op, t in dict.fromkeys((r.op, r.tokens) for r in rows):
+        ours = by_case.get((op, t, "cupyrope-fused"))
+        if ours is None:
+            continue
+        compiled = by_case.get((op, t, "unfused-compile"))
+        speedup = f"{compiled.us / ours.us:.2f}x" if compiled else "-"
+        size = f"{ours.us:.2f} µs" if t <= GRAPH_MAX_TOKENS else f"{ours.pct_of_copy:.1f} %"
+        decode = (f"{ours.us / plain[t]:.2f}" if t <= GRAPH_MAX_TOKENS and t in plain
+                  and op != "fp8 out" else "-")
+        table.append([op, t, size, speedup, decode])
+    return tabulate(table, headers=["op", "T", "cupyrope (µs, or % of SM copy)",
+                                    "vs torch.compile", "÷ apply_rope in place"],
+                    tablefmt="pipe", disable_numparse=True)
 
 
 def plot_fused(rows: Sequence[FusedRow], path: str, *, gpu_name: str) -> str:

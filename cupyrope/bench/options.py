@@ -32,9 +32,10 @@ def build_parser(*, prog: str, default_out: str) -> argparse.ArgumentParser:
                         + "; with --fused: " + " ".join(map(str, FUSED_TOKENS))
                         + "; with --jax: " + " ".join(map(str, JAX_TOKENS)) + ")")
     parser.add_argument("--fused", action="store_true",
-                        help="the fused ops (rms_norm_rope, rope_and_cache, fp8 out) against the "
-                        "unfused sequences, eager and torch.compile, and an SM copy of their bytes; "
-                        "writes fused_sweep.{md,json,png}")
+                        help="the fused ops (rms_norm_rope; rope_and_cache into NHD, HND and fp8 "
+                        "caches, and with the norm; fp8 out) against the unfused sequences, eager "
+                        "and torch.compile, apply_rope in place and an SM copy of their bytes "
+                        "(T <= 512 in CUDA graphs); writes fused_sweep.{md,json,png}")
     parser.add_argument("--jax", action="store_true",
                         help="apply_rope under jax.jit (native XLA call and Python callback) "
                         "against XLA's fusion of the Hugging Face formulation and a jnp copy: wall "

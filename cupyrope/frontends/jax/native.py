@@ -247,7 +247,7 @@ def _body(kernel) -> tuple[str, str]:
         norm, cache = args[6:]
         return (f"cupyrope::rope_fused_lean{template}",
                 f"{threads}, cupyrope::FusedLeanMinBlocksPerSM<{t}, {interleaved}, {norm}, "
-                f"{cache}>::value")
+                f"{cache}, {source}>::flat_entry")
     if kernel.fused:
         return (f"cupyrope::rope_fused_tokens{template}",
                 f"{threads}, cupyrope::FusedMinBlocksPerSM<{args[2]}, {interleaved}, {wide}>::value")
