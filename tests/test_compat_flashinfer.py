@@ -30,7 +30,9 @@ from backends import Backend, backend_params, require  # noqa: E402
 from cupyrope import compat  # noqa: E402
 from cupyrope.compat import flashinfer  # noqa: E402
 from reference import reference_inv_freq, reference_rope  # noqa: E402
-from tolerances import assert_bits_equal, assert_rope_close, max_abs_angle  # noqa: E402
+from test_fused_mla import FP8 as FP8_FORMATS  # noqa: E402
+from test_fused_mla import assert_fp8_close, host_values, put_fp8  # noqa: E402
+from tolerances import assert_bits_equal, assert_rope_close, max_abs_angle, np_dtype  # noqa: E402
 
 TORCH = backend_params(["torch", "torch-cuda"])
 HQ, HK, D = 4, 2, 64
@@ -409,3 +411,487 @@ def test_cos_sin_cache_refusals_leave_the_inputs(randn):
             compat.apply_rope_with_cos_sin_cache(**args)
         assert_bits_equal(query, before[0], what="query")
         assert_bits_equal(key, before[1], what="key")
+
+
+# ----------------------------------------------------------------------------------------------
+# rope_quantize_fp8's backend argument
+
+
+def test_rope_quantize_fp8_backends_compute_the_same_bits(rng, randn):
+    put = Backend("torch").put
+    q_rope, k_rope = put(randn((6, 4, 32), "bfloat16")), put(randn((6, 32), "bfloat16"))
+    q_nope, k_nope = put(randn((6, 4, 16), "bfloat16")), put(randn((6, 16), "bfloat16"))
+    table = cr.cos_sin_cache(64, 32, like=q_rope)
+    pos = torch.from_numpy(rng.integers(0, 64, 6))
+    results = [compat.rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, table, pos, False,
+                                        backend=backend) for backend in ("cuda", "cutile")]
+    default = compat.rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, table, pos, False)
+    for got in results:
+        for a, b in zip(got, default):
+            assert_bits_equal(fp8_bits(a), fp8_bits(b), what="backend result")
+
+
+@pytest.mark.parametrize("backend, match", [
+    ("triton", "backend must be 'cuda' or 'cutile' .*got 'triton'"),
+    (None, "backend must be 'cuda' or 'cutile' .*got None"),
+])
+def test_rope_quantize_fp8_refuses_other_backends(randn, backend, match):
+    q = Backend("torch").put(randn((3, 2, 16), "bfloat16"))
+    with pytest.raises(ValueError, match=f"^rope_quantize_fp8: {match}"):
+        compat.rope_quantize_fp8(q, q[:, 0], None, None, cr.cos_sin_cache(8, 16, like=q),
+                                 torch.arange(3), backend=backend)
+
+
+def fp8_bits(x):
+    return x.view(torch.uint8).numpy()
+
+
+# ----------------------------------------------------------------------------------------------
+# FlashInfer's page table: get_seq_lens, get_batch_indices_positions, and the paged append
+
+
+def page_table(rng, page_size, lengths, spare_pages=3):
+    """A FlashInfer page table for requests of KV ``lengths``: (kv_indptr, kv_indices,
+    kv_last_page_len, num_pages) with the pages scattered over a cache of ``num_pages``."""
+    pages = [-(-n // page_size) for n in lengths]
+    kv_indptr = np.cumsum([0, *pages])
+    num_pages = kv_indptr[-1] + spare_pages
+    kv_indices = rng.permutation(num_pages)[:kv_indptr[-1]]
+    last = [n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, pages)]
+    return kv_indptr, kv_indices, np.array(last), num_pages
+
+
+def reference_batch_positions(append_indptr, seq_lens, nnz):
+    """FlashInfer's rule, token by token: request b appends the last ``append_indptr[b + 1] -
+    append_indptr[b]`` positions of its ``seq_lens[b]``; tokens past the last request: -1, 0."""
+    batch, position = np.full(nnz, -1), np.zeros(nnz, dtype=np.int64)
+    for b in range(len(seq_lens)):
+        for t in range(append_indptr[b], append_indptr[b + 1]):
+            batch[t], position[t] = b, t + seq_lens[b] - append_indptr[b + 1]
+    return batch, position
+
+
+def test_page_helpers_are_flashinfers(rng):
+    """get_seq_lens and get_batch_indices_positions against the rule written token by token,
+    FlashInfer's docstring example included, with and without the output buffers."""
+    append_indptr = torch.tensor([0, 1, 3, 6, 10], dtype=torch.int32)
+    batch, position = compat.get_batch_indices_positions(append_indptr, torch.tensor([5] * 4), 10)
+    assert batch.dtype == position.dtype == torch.int32
+    assert batch.tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]
+    assert position.tolist() == [4, 3, 4, 2, 3, 4, 1, 2, 3, 4]
+
+    kv_indptr, _, last, _ = page_table(rng, 16, [40, 0, 16, 7, 33])
+    seq_lens = compat.get_seq_lens(torch.from_numpy(kv_indptr), torch.from_numpy(last), 16)
+    assert seq_lens.tolist() == [40, 0, 16, 7, 33]
+    appended = [3, 0, 16, 1, 9]
+    append_indptr = np.cumsum([0, *appended])
+    nnz = append_indptr[-1] + 2  # two padding tokens
+    outs = (torch.full((nnz,), 99, dtype=torch.int32), torch.full((nnz,), 99, dtype=torch.int32))
+    got = compat.get_batch_indices_positions(torch.from_numpy(append_indptr), seq_lens, int(nnz),
+                                             *outs)
+    assert got[0] is outs[0] and got[1] is outs[1]
+    expected = reference_batch_positions(append_indptr, seq_lens.numpy(), nnz)
+    for tensor, want in zip(got, expected):
+        np.testing.assert_array_equal(tensor.numpy(), want)
+
+
+def reference_slots(kv_indptr, kv_indices, batch, position, page_size):
+    """The cache slot (page * page_size + row) FlashInfer's kernel writes each token to, -1 for
+    padding."""
+    slots = np.full(len(batch), -1)
+    for t, (b, p) in enumerate(zip(batch, position)):
+        if b >= 0:
+            entry = kv_indptr[b] * page_size + p
+            slots[t] = kv_indices[entry // page_size] * page_size + entry % page_size
+    return slots
+
+
+PAGED_LENGTHS = [9, 20, 1, 0, 14]  # KV lengths after the append
+PAGED_APPENDED = [2, 11, 1, 0, 5]
+
+
+def paged_case(backend, rng, randn, parts, page_size, layout, fmt, Hq=4, Hk=2, R=32, N=48):
+    """Host (q, k, v) heads, the inputs as FlashInfer takes them, the page table, slots, and
+    NaN-poisoned fp8 caches in ``layout``."""
+    D = R + (N if parts != "no_nope" else 0)
+    kv_indptr, kv_indices, last, num_pages = page_table(rng, page_size, PAGED_LENGTHS)
+    append_indptr = np.cumsum([0, *PAGED_APPENDED])
+    nnz = append_indptr[-1] + 3  # padding tokens (batch index -1) at the end
+    batch, position = reference_batch_positions(append_indptr, PAGED_LENGTHS, nnz)
+    q, k, v = randn((nnz, Hq, D), "bfloat16"), randn((nnz, Hk, D), "bfloat16"), randn(
+        (nnz, Hk, D), "bfloat16")
+    if parts == "joined":  # the two slices of one tensor each
+        qb, kb = backend.put(q), backend.put(k)
+        inputs = [qb[..., :R], kb[..., :R], qb[..., R:], kb[..., R:]]
+    elif parts == "separate":
+        inputs = [backend.put(np.ascontiguousarray(x[..., s])) for s in (slice(None, R),
+                                                                         slice(R, None))
+                  for x in (q, k)]
+        inputs = [inputs[0], inputs[1], inputs[2], inputs[3]]
+    else:
+        inputs = [backend.put(q), backend.put(k), None, None]
+    shape = ((num_pages, page_size, Hk, D) if layout == "NHD"
+             else (num_pages, Hk, page_size, D))
+    nan = np.full(shape, np.nan, np.float32).astype(np_dtype(fmt))
+    caches = [put_fp8(backend, nan) for _ in range(2)]
+    table = [backend.put(x) for x in (np.asarray(kv_indices, np.int32), np.asarray(kv_indptr),
+                                      batch.astype(np.int32), position.astype(np.int32))]
+    slots = reference_slots(kv_indptr, kv_indices, batch, position, page_size)
+    return (q, k, v), inputs, backend.put(v), caches, table, slots
+
+
+def cache_rows(backend, cache, layout):
+    """A fp8 cache's rows as ``[num_pages * page_size, heads, dim]`` (host, fp8 dtype)."""
+    values = host_values(backend, cache)
+    if layout == "HND":
+        values = values.transpose(0, 2, 1, 3)
+    return values.reshape(-1, *values.shape[2:])
+
+
+@pytest.fixture
+def fused_launches(monkeypatch):
+    """How many cupyrope rope_and_cache launches the FlashInfer adapters make."""
+    seen = []
+
+    def counting(*args, **kwargs):
+        seen.append(args[0].shape)
+        return cr.rope_and_cache(*args, **kwargs)
+
+    monkeypatch.setattr(flashinfer, "rope_and_cache", counting)
+    return seen
+
+
+@pytest.mark.parametrize("backend", TORCH, indirect=True)
+@pytest.mark.parametrize("parts, launches_made", [("joined", 1), ("separate", 2),
+                                                  ("no_nope", 1)])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_rope_quantize_fp8_append_paged_kv_cache(backend, rng, randn, fused_launches, parts,
+                                                 launches_made, layout, fmt, is_neox, with_out):
+    page_size, R = 4, 32
+    (q, k, v), inputs, v_in, caches, table, slots = paged_case(backend, rng, randn, parts,
+                                                               page_size, layout, fmt)
+    positions = rng.integers(0, 512, q.shape[0])
+    cos_sin = cr.cos_sin_cache(512, R, dtype="float32")
+    outs = [None, None]
+    if with_out:
+        outs = [put_fp8(backend, np.full(x.shape, np.nan, np.float32).astype(np_dtype(fmt)))
+                for x in (q[..., :R], q[..., R:])]
+    inputs_before = [None if x is None else host_values(backend, x).copy() for x in inputs]
+    scale_kv = torch.tensor([0.5], device=v_in.device)  # a one-element tensor, multiplied in
+    result = compat.rope_quantize_fp8_append_paged_kv_cache(
+        *inputs, v_in, backend.put(cos_sin), backend.put(positions), tuple(caches), *table,
+        is_neox=is_neox, quantize_dtype=None if with_out else getattr(torch, fmt),
+        quant_scale_q=2.0, quant_scale_kv=scale_kv, page_size=page_size, kv_layout=layout,
+        q_rope_out=outs[0], q_nope_out=outs[1])
+    assert len(fused_launches) == launches_made
+    assert isinstance(result, tuple) and len(result) == 2
+    if with_out:
+        assert result[0] is outs[0] and result[1] is outs[1]
+    exact = [reference_rope(x, positions, cos_sin_cache=cos_sin, interleaved=not is_neox,
+                            rotary_dim=R) for x in (q, k)]
+    q_rope_out, q_nope_out = (host_values(backend, x) for x in result)
+    assert q_rope_out.dtype.name == fmt and q_nope_out.shape == (*q.shape[:2], q.shape[2] - R)
+    assert_fp8_close(q_rope_out, exact[0][..., :R] * 2.0, "q_rope_out")
+    if q_nope_out.size:
+        assert_fp8_close(q_nope_out, exact[0][..., R:] * 2.0, "q_nope_out")
+    written = slots >= 0
+    for cache, want, name in ((caches[0], exact[1], "k"), (caches[1], v.astype(np.float64),
+                                                          "v")):
+        rows = cache_rows(backend, cache, layout)
+        assert_fp8_close(rows[slots[written]], want[written] * 0.5, f"{name} cache rows")
+        untouched = np.setdiff1d(np.arange(rows.shape[0]), slots[written])
+        assert np.isnan(rows[untouched].astype(np.float32)).all(), f"{name} cache: stray write"
+    for x, before in zip(inputs, inputs_before):
+        if x is not None:
+            assert_bits_equal(host_values(backend, x), before, what="input")
+
+
+def _paged_args(rng, randn, **change):
+    backend = Backend("torch")
+    (_, _, _), inputs, v, caches, table, _ = paged_case(backend, rng, randn, "separate", 4,
+                                                        "NHD", "float8_e4m3fn")
+    args = dict(q_rope=inputs[0], k_rope=inputs[1], q_nope=inputs[2], k_nope=inputs[3], v=v,
+                cos_sin_cache=torch.from_numpy(cr.cos_sin_cache(64, 32)),
+                pos_ids=torch.zeros(inputs[0].shape[0], dtype=torch.int64),
+                paged_kv_cache=tuple(caches), kv_indices=table[0], kv_indptr=table[1],
+                batch_indices=table[2], positions=table[3], page_size=4)
+    args.update(change)
+    return args, caches
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("mla", ValueError, "MLA .* is not supported.*compat.mla_rope_quantize_fp8"),
+    ("page_size", ValueError, r"k_cache of shape \(\d+, 4, 2, 80\) has pages of 4 entries in "
+                              r"layout NHD, but page_size=8"),
+    ("cache_dtype", TypeError, "v_cache must have quantize_dtype torch.float8_e5m2"),
+    ("layout", ValueError, "kv_layout must be 'NHD' or 'HND', got 'NDH'"),
+    ("v_shape", ValueError, r"v must be \(nnz, num_kv_heads, rope_dim \+ no_rope_dim\)"),
+    ("batch_indices", ValueError, r"batch_indices must have shape \(\d+,\) \(one per token\)"),
+    ("positions_dtype", TypeError, "positions must be int32 or int64, got torch.float32"),
+    ("one_cache", TypeError, "paged_kv_cache must be a tuple"),
+    ("pos_ids", ValueError, r"pos_ids must have shape"),
+    ("enable_pdl", TypeError, "enable_pdl must be a bool"),
+    ("q_rope_out", TypeError, "q_rope_out must have quantize_dtype"),
+])
+def test_paged_append_refusals_write_nothing(rng, randn, case, error, match):
+    args, caches = _paged_args(rng, randn)
+    nnz = args["q_rope"].shape[0]
+    if case == "mla":
+        args["k_rope"], args["k_nope"] = args["k_rope"][:, 0], args["k_nope"][:, 0]
+    elif case == "page_size":
+        args["page_size"] = 8
+    elif case == "cache_dtype":
+        args["quantize_dtype"] = torch.float8_e5m2
+        args["paged_kv_cache"] = (caches[0].view(torch.float8_e5m2), caches[1])
+        args["paged_kv_cache"] = (args["paged_kv_cache"][0],
+                                  caches[1].view(torch.float8_e4m3fn))
+    elif case == "layout":
+        args["kv_layout"] = "NDH"
+    elif case == "v_shape":
+        args["v"] = args["v"][..., :32]
+    elif case == "batch_indices":
+        args["batch_indices"] = args["batch_indices"][:-1]
+    elif case == "positions_dtype":
+        args["positions"] = args["positions"].float()
+    elif case == "one_cache":
+        args["paged_kv_cache"] = caches[0]
+    elif case == "pos_ids":
+        args["pos_ids"] = torch.zeros(nnz - 1, dtype=torch.int64)
+    elif case == "enable_pdl":
+        args["enable_pdl"] = 0
+    elif case == "q_rope_out":
+        args["q_rope_out"] = torch.zeros(args["q_rope"].shape, dtype=torch.float8_e5m2)
+        args["quantize_dtype"] = torch.float8_e4m3fn
+    before = [fp8_bits(c).copy() for c in caches]
+    with pytest.raises(error, match=f"^rope_quantize_fp8_append_paged_kv_cache: {match}"):
+        compat.rope_quantize_fp8_append_paged_kv_cache(**args)
+    for cache, bits in zip(caches, before):
+        assert_bits_equal(fp8_bits(cache), bits, what="cache after a refusal")
+
+
+def test_paged_append_skips_entries_outside_the_page_table(rng, randn):
+    """A token whose entry lies past kv_indices, or at a negative position, is not written
+    (FlashInfer would read past the page table); the others are."""
+    args, caches = _paged_args(rng, randn)
+    batch, position = args["batch_indices"], args["positions"].clone()
+    slots = reference_slots(args["kv_indptr"].numpy(), args["kv_indices"].numpy(),
+                            batch.numpy(), position.numpy(), 4)
+    first = int(torch.nonzero(batch >= 0)[0])
+    position[first] = 10_000  # far past the page table
+    position[first + 1] = -1
+    slots[first:first + 2] = -1
+    args["positions"] = position
+    compat.rope_quantize_fp8_append_paged_kv_cache(**args)
+    rows = cache_rows(Backend("torch"), caches[0], "NHD").astype(np.float32)
+    written = slots[slots >= 0]
+    assert not np.isnan(rows[written]).any()
+    assert np.isnan(np.delete(rows, written, axis=0)).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_qk_rmsnorm_rope: QK-RMSNorm over all heads, 3D RoPE, v copied
+
+
+VIDEO = dict(ppf=2, pph=3, ppw=5, num_frame_channels=16, num_height_channels=24,
+             num_width_channels=24)
+
+
+def video_reference(x, weight, *, is_qk_norm, interleave, base, factor, low, high,
+                    attention_factor, round_norm, eps=1e-6, video=VIDEO):
+    """FlashInfer's fused_qk_rmsnorm_rope on ``x [batch, seq_len, H, D]`` in float64: RMSNorm over
+    all H * D values of a token (rounded to bfloat16 when ``round_norm``, as FlashInfer's kernel
+    does before RoPE), then pair j (dims 2j, 2j+1 interleaved; j, j + D/2 NeoX) turned by the
+    frame / height / width position that channel 2j falls in, at frequency base^(-2i/C) of its
+    index i within its group of C channels (YaRN-blended), times attention_factor."""
+    x = np.asarray(x, dtype=np.float64)
+    batch, seq_len, heads, D = x.shape
+    if is_qk_norm:
+        flat = x.reshape(batch, seq_len, heads * D)
+        flat = flat / np.sqrt(np.mean(flat * flat, -1, keepdims=True) + eps) * np.asarray(
+            weight, np.float64).reshape(-1)
+        if round_norm:
+            flat = flat.astype(np_dtype("bfloat16")).astype(np.float64)
+        x = flat.reshape(x.shape)
+    channels = [video[f"num_{p}_channels"] for p in ("frame", "height", "width")]
+    if abs(low - high) <= 1e-6:
+        high += 0.001
+    freqs, group = [], []
+    for g, size in enumerate(channels):
+        i = np.arange(size // 2)
+        f = base ** (-2.0 * i / size)
+        if factor != 1.0:
+            ramp = np.clip((i - low) / (high - low), 0, 1)
+            f = f / factor * ramp + f * (1 - ramp)
+        freqs.append(f)
+        group += [g] * (size // 2)
+    s = np.arange(seq_len)
+    hw = video["pph"] * video["ppw"]
+    where = np.stack([s // hw, s // video["ppw"] % video["pph"], s % video["ppw"]])
+    angles = where[np.array(group)].T * np.concatenate(freqs)  # [seq_len, D / 2]
+    cos = np.cos(angles)[None, :, None] * attention_factor
+    sin = np.sin(angles)[None, :, None] * attention_factor
+    out = x.copy()
+    for j in range(D // 2):
+        a, b = (2 * j, 2 * j + 1) if interleave else (j, j + D // 2)
+        out[..., a] = x[..., a] * cos[..., j] - x[..., b] * sin[..., j]
+        out[..., b] = x[..., b] * cos[..., j] + x[..., a] * sin[..., j]
+    return out
+
+
+def fp8_ulp(values):
+    """The e4m3 spacing at each value (subnormals below 2**-6)."""
+    return 2.0 ** (np.floor(np.log2(np.maximum(np.abs(values), 2.0**-6))) - 3)
+
+
+@pytest.fixture
+def video_launches(monkeypatch):
+    seen = []
+    for name in ("rms_norm_rope", "cupyrope_apply_rope"):
+        real = getattr(flashinfer, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            seen.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(flashinfer, name, counting)
+    return seen
+
+
+@pytest.mark.parametrize("backend", TORCH, indirect=True)
+@pytest.mark.parametrize("heads", [(4, 4, 4), (4, 2, 3)])
+@pytest.mark.parametrize("rank", [3, 2])
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("yarn", [None, (4.0, 2.0, 9.0, 1.25)])
+@pytest.mark.parametrize("is_qk_norm", [True, False])
+@pytest.mark.parametrize("output_fp8", [False, True])
+def test_fused_qk_rmsnorm_rope(backend, rng, randn, video_launches, heads, rank, interleave,
+                               yarn, is_qk_norm, output_fp8):
+    Hq, Hk, Hv = heads
+    D, batch, seq_len = 64, 2, VIDEO["ppf"] * VIDEO["pph"] * VIDEO["ppw"]
+    rows = randn((batch, seq_len, (Hq + Hk + Hv) * D), "bfloat16") * 3
+    weights = [rng.uniform(0.5, 1.5, h * D).astype(np_dtype("bfloat16")) for h in (Hq, Hk)]
+    qkv = backend.put(rows if rank == 3 else rows.reshape(batch * seq_len, -1))
+    factor, low, high, attention_factor = yarn or (1.0, 0.0, 0.0, 1.0)
+    out_dtype = "float8_e4m3fn" if output_fp8 else "bfloat16"
+    shapes = [(batch, seq_len, h, D) if rank == 3 else (batch * seq_len, h, D)
+              for h in (Hq, Hk, Hv)]
+    outs = [put_fp8(backend, np.full(s, np.nan, np.float32).astype(np_dtype(out_dtype)))
+            if output_fp8 else backend.put(np.full(s, np.nan, np_dtype(out_dtype)))
+            for s in shapes]
+    got = compat.fused_qk_rmsnorm_rope(
+        qkv, *(backend.put(w) for w in weights), **VIDEO, num_heads_q=Hq, num_heads_k=Hk,
+        num_heads_v=Hv, head_dim=D, interleave=interleave, factor=factor, low=low, high=high,
+        attention_factor=attention_factor, is_qk_norm=is_qk_norm, output_fp8=output_fp8,
+        output_quant_scale=2.0, v_quant_scale=0.5, q_out=outs[0], k_out=outs[1],
+        v_out=outs[2])
+    assert all(g is o for g, o in zip(got, outs))
+    assert_bits_equal(host_values(backend, qkv).reshape(rows.shape), rows, what="qkv")
+    norms = (1 if Hq == Hk else 2) if is_qk_norm else 0
+    assert video_launches == (["rms_norm_rope"] * norms + ["cupyrope_apply_rope"]
+                              * (2 if output_fp8 else 1))
+    ends = np.cumsum([0, Hq * D, Hk * D, Hv * D])
+    parts = [rows[..., lo:hi].reshape(batch, seq_len, -1, D) for lo, hi in zip(ends, ends[1:])]
+    for at, (out, x) in enumerate(zip(got, parts)):
+        values = host_values(backend, out).reshape(x.shape)
+        if at == 2:
+            if output_fp8:
+                assert_fp8_close(values, x.astype(np.float64) * 0.5, "v_out")
+            else:
+                assert_bits_equal(values, x, what="v_out")
+            continue
+        exact = video_reference(x, weights[at], is_qk_norm=is_qk_norm, interleave=interleave,
+                                base=1e4, factor=factor, low=low, high=high,
+                                attention_factor=attention_factor,
+                                round_norm=not output_fp8)
+        if output_fp8:  # an fp8 ulp, and half a bfloat16 ulp of the head (the norm's rounding)
+            error = np.abs(values.astype(np.float64) - exact * 2.0)
+            magnitude = np.abs(exact * 2.0).max(axis=-1, keepdims=True)
+            bad = error > fp8_ulp(exact * 2.0) + 2.0**-8 * magnitude
+            assert not bad.any(), (f"part {at}: {int(bad.sum())} fp8 values off, e.g. "
+                                   f"{values[bad][:3]} for {exact[bad][:3] * 2.0}")
+        else:  # one bfloat16 rounding of the exact value, give or take the norm's own rounding
+            magnitude = np.abs(exact).max(axis=(-2, -1), keepdims=True)
+            error = np.abs(values.astype(np.float64) - exact) / magnitude
+            assert error.max() <= 4 * 2.0**-8, f"part {at}: error {error.max():.3g} x max"
+
+
+@pytest.mark.parametrize("backend", TORCH, indirect=True)
+def test_fused_qk_rmsnorm_rope_at_wan_sizes(backend, rng, randn):
+    """Wan 2.1 14B's attention: 40 heads of 128 (the norm spans 5120 values), channels 44 / 42 /
+    42, NeoX and interleaved alike; the v heads copied bit for bit."""
+    video = dict(ppf=3, pph=4, ppw=6, num_frame_channels=44, num_height_channels=42,
+                 num_width_channels=42)
+    H, D, seq_len = 40, 128, 3 * 4 * 6
+    rows = randn((1, seq_len, 3 * H * D), "bfloat16")
+    weights = [rng.uniform(0.5, 1.5, H * D).astype(np_dtype("bfloat16")) for _ in range(2)]
+    for interleave in (True, False):
+        got = compat.fused_qk_rmsnorm_rope(
+            backend.put(rows), *(backend.put(w) for w in weights), **video, num_heads_q=H,
+            num_heads_k=H, num_heads_v=H, head_dim=D, interleave=interleave)
+        for at, out in enumerate(got):
+            x = rows[..., at * H * D:(at + 1) * H * D].reshape(1, seq_len, H, D)
+            values = host_values(backend, out)
+            if at == 2:
+                assert_bits_equal(values, x, what="v_out")
+                continue
+            exact = video_reference(x, weights[at], is_qk_norm=True, interleave=interleave,
+                                    base=1e4, factor=1.0, low=0.0, high=0.0,
+                                    attention_factor=1.0, round_norm=True, video=video)
+            magnitude = np.abs(exact).max(axis=(-2, -1), keepdims=True)
+            error = np.abs(values.astype(np.float64) - exact) / magnitude
+            assert error.max() <= 4 * 2.0**-8, f"part {at}: error {error.max():.3g} x max"
+
+
+def test_fused_qk_rmsnorm_rope_defaults_and_returns_new_tensors(rng, randn):
+    """FlashInfer's defaults (eps 1e-6, base 1e4, interleaved, no YaRN, norm on, bfloat16 out);
+    without outputs given, new tensors [num_tokens, H, D] for a 2-d qkv."""
+    Hq = Hk = Hv = 2
+    D, seq_len = 64, VIDEO["ppf"] * VIDEO["pph"] * VIDEO["ppw"]
+    rows = randn((seq_len, 3 * Hq * D), "bfloat16")
+    weights = [np.ones(Hq * D, np_dtype("bfloat16"))] * 2
+    put = Backend("torch").put
+    q_out, k_out, v_out = compat.fused_qk_rmsnorm_rope(
+        put(rows), put(weights[0]), put(weights[1]), **VIDEO, num_heads_q=Hq, num_heads_k=Hk,
+        num_heads_v=Hv, head_dim=D)
+    assert q_out.shape == k_out.shape == v_out.shape == (seq_len, Hq, D)
+    assert q_out.dtype == torch.bfloat16
+    exact = video_reference(rows[:, :Hq * D].reshape(1, seq_len, Hq, D), weights[0],
+                            is_qk_norm=True, interleave=True, base=1e4, factor=1.0, low=0.0,
+                            high=0.0, attention_factor=1.0, round_norm=True)
+    error = np.abs(q_out.double().numpy() - exact[0]) / np.abs(exact).max()
+    assert error.max() <= 4 * 2.0**-8
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(num_width_channels=25), ValueError, "must be even and add up to head_dim"),
+    (dict(num_frame_channels=8), ValueError, r"add up to head_dim \(64\), got \[8, 24, 24\]"),
+    (dict(ppw=4), ValueError, r"qkv's seq_len 30 != ppf \* pph \* ppw = 24"),
+    (dict(attention_factor=1.5), ValueError, "attention_factor must be 1 when factor is 1"),
+    (dict(q_weight="short"), ValueError, "q_weight must have num_heads \\* head_dim = 128"),
+    (dict(q_out="wrong"), ValueError, r"q_out must be a torch.bfloat16 tensor of shape "
+                                      r"\(1, 30, 2, 64\)"),
+    (dict(interleave=1), TypeError, "interleave must be a bool"),
+    (dict(num_heads_v=-1), ValueError, "num_heads_v must be >= 0"),
+    (dict(base=0.0), ValueError, "base must be finite and > 0"),
+])
+def test_fused_qk_rmsnorm_rope_refusals_write_nothing(randn, change, error, match):
+    D, seq_len = 64, 30
+    qkv = torch.from_numpy(randn((1, seq_len, 3 * 2 * D)))
+    qkv = qkv.to(torch.bfloat16)
+    args = dict(qkv=qkv, q_weight=torch.ones(2 * D, dtype=torch.bfloat16),
+                k_weight=torch.ones(2 * D, dtype=torch.bfloat16), **VIDEO, num_heads_q=2,
+                num_heads_k=2, num_heads_v=2, head_dim=D,
+                q_out=torch.full((1, seq_len, 2, D), float("nan"), dtype=torch.bfloat16))
+    args.update(change)
+    if isinstance(args["q_weight"], str):
+        args["q_weight"] = torch.ones(D, dtype=torch.bfloat16)
+    if isinstance(args["q_out"], str):
+        args["q_out"] = torch.full((1, seq_len, 2, D + 2), float("nan"), dtype=torch.bfloat16)
+    out_before, qkv_before = args["q_out"].clone(), qkv.clone()
+    with pytest.raises(error, match=f"^fused_qk_rmsnorm_rope: .*{match}"):
+        compat.fused_qk_rmsnorm_rope(**args)
+    assert_bits_equal(args["q_out"], out_before, what="q_out")
+    assert_bits_equal(qkv, qkv_before, what="qkv")

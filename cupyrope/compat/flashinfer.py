@@ -3,6 +3,9 @@
 parts, one launch when each rope part is followed by its nope part in memory; and the plain
 rotations, each one cupyrope launch: ``apply_rope`` / ``apply_llama31_rope`` (ragged batches),
 their ``_pos_ids`` forms, the ``_inplace`` twins, and ``apply_rope_with_cos_sin_cache``.
+Then ``rope_quantize_fp8_append_paged_kv_cache`` (the same with k and v appended to FlashInfer's
+paged cache, with ``flashinfer.page``'s ``get_seq_lens`` / ``get_batch_indices_positions``) and
+``fused_qk_rmsnorm_rope`` (``flashinfer.norm``: QK-RMSNorm over all heads and 3D RoPE).
 
 Design notes: docs/architecture.md#compatflashinferpy
 """
@@ -11,23 +14,26 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 # Imported under another name: this module defines FlashInfer's own ``apply_rope``.
 from ..api import apply_rope as cupyrope_apply_rope
+from ..api import rms_norm_rope, rope_and_cache
 from ..core.validators import check_bool, check_real, check_rotary_dim, check_theta, is_integer
 from .te import positions_on_device
-from .vllm import count, heads_view, require_tensor
+from .vllm import count, heads_view, identity_rotation, require_tensor
 
 WHERE = "rope_quantize_fp8"
 FP8 = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # largest finite values
 OUT_NAMES = ("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out")
+BACKENDS = ("cuda", "cutile")  # rope_quantize_fp8's backend values
 
 
 def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox=True,
                       quantize_dtype=None, quant_scale_q=1.0, quant_scale_kv=1.0,
                       q_rope_out=None, k_rope_out=None, q_nope_out=None, k_nope_out=None,
-                      enable_pdl=False):
+                      enable_pdl=False, backend="cuda"):
     """FlashInfer's ``rope_quantize_fp8``.
 
     Parameters
@@ -52,6 +58,10 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
     enable_pdl : bool
         Accepted for FlashInfer's signature; Programmatic Dependent Launch is a launch attribute
         that does not change results, and cupyrope's launches do not set it.
+    backend : {"cuda", "cutile"}
+        FlashInfer's choice between its CUDA kernel and its cuTile one; both compute the same
+        values, and here both run cupyrope's kernel (the cuTile kernel's limits, interleaved
+        pairing and MLA only, do not apply). Any other value is refused, as in FlashInfer.
 
     Returns
     -------
@@ -61,6 +71,9 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
     """
     check_bool(is_neox, "is_neox", WHERE)
     check_bool(enable_pdl, "enable_pdl", WHERE)
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{WHERE}: backend must be 'cuda' or 'cutile' (FlashInfer's two "
+                         f"implementations; both run cupyrope's kernel here), got {backend!r}")
     mla = require_tensor(k_rope, "k_rope", WHERE).dim() == 2
     inputs = _inputs(q_rope, k_rope, q_nope, k_nope, mla)
     nnz, _, rope_dim = inputs[0].shape
@@ -101,37 +114,38 @@ def mla_rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids
                              k_rope_out, q_nope_out, k_nope_out, enable_pdl)
 
 
-def _inputs(q_rope, k_rope, q_nope, k_nope, mla: bool) -> list:
+def _inputs(q_rope, k_rope, q_nope, k_nope, mla: bool, op_name: str = WHERE) -> list:
     """The four inputs as ``(nnz, heads, dim)`` tensors (views; size-0 nope parts for None)."""
-    if require_tensor(q_rope, "q_rope", WHERE).dim() != 3:
-        raise ValueError(f"{WHERE}: q_rope must be (nnz, num_qo_heads, rope_dim), got shape "
+    if require_tensor(q_rope, "q_rope", op_name).dim() != 3:
+        raise ValueError(f"{op_name}: q_rope must be (nnz, num_qo_heads, rope_dim), got shape "
                          f"{tuple(q_rope.shape)}")
     k_rope = k_rope.unsqueeze(-2) if mla else k_rope
     nnz, _, rope_dim = q_rope.shape
     if k_rope.dim() != 3 or k_rope.shape[0] != nnz or k_rope.shape[2] != rope_dim:
-        raise ValueError(f"{WHERE}: k_rope must be (nnz={nnz}, num_kv_heads, rope_dim={rope_dim}) "
-                         f"or (nnz, rope_dim) for MLA, got shape {tuple(k_rope.shape)}")
+        raise ValueError(f"{op_name}: k_rope must be (nnz={nnz}, num_kv_heads, "
+                         f"rope_dim={rope_dim}) or (nnz, rope_dim) for MLA, got shape "
+                         f"{tuple(k_rope.shape)}")
     nopes = []
     for x, rope, name in ((q_nope, q_rope, "q_nope"), (k_nope, k_rope, "k_nope")):
         if x is None:
             nopes.append(rope.new_empty((*rope.shape[:2], 0)))
             continue
-        require_tensor(x, name, WHERE)
+        require_tensor(x, name, op_name)
         x = x.unsqueeze(-2) if mla and name == "k_nope" and x.dim() == 2 else x
         if x.dim() != 3 or x.shape[:2] != rope.shape[:2]:
-            raise ValueError(f"{WHERE}: {name} must have the tokens and heads of its rope part "
+            raise ValueError(f"{op_name}: {name} must have the tokens and heads of its rope part "
                              f"{tuple(rope.shape[:2])}, got shape {tuple(x.shape)}")
         if x.dtype != rope.dtype:
-            raise TypeError(f"{WHERE}: {name} must have the rope part's dtype {rope.dtype}, got "
+            raise TypeError(f"{op_name}: {name} must have the rope part's dtype {rope.dtype}, got "
                             f"{x.dtype}")
         nopes.append(x)
     if nopes[0].shape[2] != nopes[1].shape[2]:
-        raise ValueError(f"{WHERE}: q_nope and k_nope must have one no_rope_dim, got "
+        raise ValueError(f"{op_name}: q_nope and k_nope must have one no_rope_dim, got "
                          f"{nopes[0].shape[2]} and {nopes[1].shape[2]}")
     return [q_rope, k_rope, *nopes]
 
 
-def _quantize_dtype(quantize_dtype, outs):
+def _quantize_dtype(quantize_dtype, outs, op_name: str = WHERE):
     """FlashInfer's rule: the dtype named, else the first out's, else float8_e4m3fn."""
     if quantize_dtype is None:
         quantize_dtype = next((out.dtype for out in outs if out is not None),
@@ -139,21 +153,21 @@ def _quantize_dtype(quantize_dtype, outs):
     if isinstance(quantize_dtype, str):
         quantize_dtype = getattr(torch, quantize_dtype, quantize_dtype)
     if quantize_dtype not in FP8:
-        raise ValueError(f"{WHERE}: quantize_dtype must be torch.float8_e4m3fn or "
+        raise ValueError(f"{op_name}: quantize_dtype must be torch.float8_e4m3fn or "
                          f"torch.float8_e5m2, got {quantize_dtype!r}")
     return quantize_dtype
 
 
-def _scale(value, name: str):
+def _scale(value, name: str, op_name: str = WHERE):
     """A quantisation scale: a finite number > 0, or a one-element float32 tensor."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.dtype != torch.float32:
-            raise ValueError(f"{WHERE}: {name} must be a number or a one-element float32 tensor, "
+            raise ValueError(f"{op_name}: {name} must be a number or a one-element float32 tensor, "
                              f"got shape {tuple(value.shape)} {value.dtype}")
         return value.reshape(())
-    scale = check_real(value, name, WHERE)
+    scale = check_real(value, name, op_name)
     if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{WHERE}: {name} must be finite and > 0, got {value!r}")
+        raise ValueError(f"{op_name}: {name} must be finite and > 0, got {value!r}")
     return scale
 
 
@@ -166,20 +180,20 @@ def _reciprocal(scale):
     return torch.reciprocal(scale) if isinstance(scale, torch.Tensor) else 1.0 / scale
 
 
-def _out(out, like, name: str, dtype, mla_k: bool):
+def _out(out, like, name: str, dtype, mla_k: bool, op_name: str = WHERE):
     """A ``*_out`` buffer checked against its input, as ``(nnz, heads, dim)`` (or None)."""
     if out is None:
         return None
-    require_tensor(out, name, WHERE)
+    require_tensor(out, name, op_name)
     out3 = out.unsqueeze(-2) if mla_k and out.dim() == 2 else out
     if tuple(out3.shape) != tuple(like.shape):
-        raise ValueError(f"{WHERE}: {name} must have its input's shape "
+        raise ValueError(f"{op_name}: {name} must have its input's shape "
                          f"{tuple(like.shape[::2] if mla_k else like.shape)}, got "
                          f"{tuple(out.shape)}")
     if out.dtype != dtype:
-        raise TypeError(f"{WHERE}: {name} must have quantize_dtype {dtype}, got {out.dtype}")
+        raise TypeError(f"{op_name}: {name} must have quantize_dtype {dtype}, got {out.dtype}")
     if out.device != like.device:
-        raise ValueError(f"{WHERE}: {name} is on {out.device} but the inputs are on "
+        raise ValueError(f"{op_name}: {name} is on {out.device} but the inputs are on "
                          f"{like.device}")
     return out3
 
@@ -221,6 +235,517 @@ def _store(results, outs) -> None:
         for at in (rope_at, nope_at):
             if outs[at] is not None:
                 outs[at].copy_(results[at])
+
+
+# ----------------------------------------------------------------------------------------------
+# rope_quantize_fp8 with the paged KV-cache append, and FlashInfer's page-table helpers
+
+PAGED = "rope_quantize_fp8_append_paged_kv_cache"
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
+                                            pos_ids, paged_kv_cache, kv_indices, kv_indptr,
+                                            batch_indices, positions, is_neox=True,
+                                            quantize_dtype=None, quant_scale_q=1.0,
+                                            quant_scale_kv=1.0, page_size=16, kv_layout="NHD",
+                                            q_rope_out=None, q_nope_out=None, enable_pdl=False):
+    """FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` for GQA / MHA: RoPE on the rope
+    part of q and k, fp8 of q (returned) and of k and v (appended to FlashInfer's paged cache).
+
+    Parameters
+    ----------
+    q_rope : tensor ``(nnz, num_qo_heads, rope_dim)``, float16 or bfloat16 (float32 works too)
+    k_rope : tensor ``(nnz, num_kv_heads, rope_dim)``
+    q_nope, k_nope : tensors ``(nnz, heads, no_rope_dim)``, or None (``no_rope_dim`` 0)
+    v : tensor ``(nnz, num_kv_heads, rope_dim + no_rope_dim)``
+    cos_sin_cache : tensor ``(max_seq_len, rope_dim)``, cos then sin per row
+    pos_ids : int32 / int64 tensor ``(nnz,)``, the rotation's positions
+    paged_kv_cache : tuple ``(k_cache, v_cache)``
+        ``(max_pages, page_size, num_kv_heads, head_dim)`` (``kv_layout="NHD"``) or
+        ``(max_pages, num_kv_heads, page_size, head_dim)`` (``"HND"``), ``head_dim = rope_dim +
+        no_rope_dim``, of ``quantize_dtype``; any strides with a unit last dim. A k head is
+        stored rope part first.
+    kv_indices : int tensor ``(total_pages,)``, the page of each entry of the page table
+    kv_indptr : int tensor ``(batch_size + 1,)``, request ``b``'s pages are
+        ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``
+    batch_indices, positions : int tensors ``(nnz,)``
+        Token ``t`` belongs to request ``batch_indices[t]`` (negative: padding, not written) at
+        position ``positions[t]`` in its sequence (:func:`get_batch_indices_positions`).
+    is_neox, quantize_dtype, quant_scale_q, quant_scale_kv, q_rope_out, q_nope_out, enable_pdl
+        As in :func:`rope_quantize_fp8`; ``quant_scale_kv`` scales k and v
+        (stored = fp8(value * scale), saturated).
+    page_size : int
+        The cache's page size (FlashInfer's default 16); must match the caches' shape.
+    kv_layout : {"NHD", "HND"}
+
+    Returns
+    -------
+    (q_rope_out, q_nope_out)
+        fp8 tensors shaped like q_rope and q_nope (size 0 for a None q_nope). k and v go to the
+        caches only.
+
+    Notes
+    -----
+    Token ``t`` goes to entry ``e = kv_indptr[b] * page_size + positions[t]`` of request
+    ``b = batch_indices[t]``'s pages: page ``kv_indices[e // page_size]``, row
+    ``e % page_size``, FlashInfer's rule. That page table is turned into cupyrope's slot
+    mapping (slot = page * page_size + row) on the device: about twenty small integer kernels
+    on ``nnz`` elements, no host read, so the call stays CUDA-graph capturable. A token whose
+    entry falls outside ``kv_indices`` (FlashInfer would read past it) or whose slot falls
+    outside the caches is not written.
+
+    Then one launch of :func:`cupyrope.rope_and_cache` rotates, quantises and writes
+    everything when each rope part is followed by its nope part in memory (the slices
+    ``x[..., :rope_dim]`` and ``x[..., rope_dim:]`` of one tensor) or there is no nope part;
+    separate rope and nope tensors take a second launch for the nope parts, through the exact
+    identity rotation (``x * 1 - y * 0``: equal for finite values; an inf in dim 0 or 1 of a
+    nope head makes the other NaN). Each launch also writes an fp8 k output that is dropped.
+    Given ``*_out`` buffers are filled by an fp8 copy of the result.
+
+    MLA (2-d k_rope, ``(ckv_cache, kpe_cache)``) is refused: cupyrope's cache write takes a
+    value shaped like the key.
+    """
+    op_name = PAGED
+    check_bool(is_neox, "is_neox", op_name)
+    check_bool(enable_pdl, "enable_pdl", op_name)
+    if require_tensor(k_rope, "k_rope", op_name).dim() == 2:
+        raise ValueError(
+            f"{op_name}: MLA (2-d k_rope with a (ckv_cache, kpe_cache) cache) is not supported: "
+            "cupyrope's cache write stores a value shaped like the key. Call "
+            "compat.mla_rope_quantize_fp8 for the fp8 q and k, then append k_nope / k_rope to "
+            "the ckv / kpe caches (e.g. FlashInfer's append_paged_mla_kv_cache)")
+    q_rope, k_rope, q_nope, k_nope = _inputs(q_rope, k_rope, q_nope, k_nope, False, op_name)
+    nnz, _, rope_dim = q_rope.shape
+    head_dim = rope_dim + q_nope.shape[2]
+    if tuple(require_tensor(pos_ids, "pos_ids", op_name).shape) != (nnz,):
+        raise ValueError(f"{op_name}: pos_ids must have shape ({nnz},) (one per token), got "
+                         f"{tuple(pos_ids.shape)}")
+    if require_tensor(v, "v", op_name).shape != (nnz, k_rope.shape[1], head_dim):
+        raise ValueError(f"{op_name}: v must be (nnz, num_kv_heads, rope_dim + no_rope_dim) = "
+                         f"{(nnz, k_rope.shape[1], head_dim)}, got {tuple(v.shape)}")
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"{op_name}: kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    page_size = count(page_size, "page_size", op_name, minimum=1)
+    dtype = _quantize_dtype(quantize_dtype, (q_rope_out, q_nope_out), op_name)
+    k_cache, v_cache = _paged_caches(paged_kv_cache, dtype, page_size, kv_layout, op_name)
+    scale_q = _scale(quant_scale_q, "quant_scale_q", op_name)
+    scale_kv = _scale(quant_scale_kv, "quant_scale_kv", op_name)
+    outs = [_out(out, like, name, dtype, False, op_name)
+            for out, like, name in ((q_rope_out, q_rope, "q_rope_out"),
+                                    (q_nope_out, q_nope, "q_nope_out"))]
+    no_rope_dim = q_nope.shape[2]
+    q_joined, k_joined = _joined(q_rope, q_nope), _joined(k_rope, k_nope)
+    one_launch = no_rope_dim == 0 or (q_joined is not None and k_joined is not None)
+    if not one_launch and no_rope_dim < 2:
+        raise ValueError(
+            f"{op_name}: a no_rope_dim of {no_rope_dim} in tensors apart from the rope part is "
+            "not supported: pass each rope part and its nope part as the slices "
+            "x[..., :rope_dim] and x[..., rope_dim:] of one tensor")
+    slots = _paged_slots(kv_indices, kv_indptr, batch_indices, positions, page_size, nnz,
+                        q_rope.device, op_name)
+
+    fused = dict(layout=kv_layout, out_dtype=dtype, q_scale=_reciprocal(scale_q),
+                 k_scale=_reciprocal(scale_kv), v_scale=_reciprocal(scale_kv), inplace=False)
+    rope = dict(cos_sin_cache=cos_sin_cache, interleaved=not is_neox, rotary_dim=rope_dim)
+    if one_launch:
+        q, k = (q_rope, k_rope) if no_rope_dim == 0 else (q_joined, k_joined)
+        q8 = rope_and_cache(q, k, v, pos_ids, k_cache, v_cache, slots, **rope, **fused)[0]
+        results = [q8[..., :rope_dim], q8[..., rope_dim:]]
+    else:  # separate rope and nope tensors: the nope parts take a launch of their own
+        q8_rope = rope_and_cache(q_rope, k_rope, v[..., :rope_dim], pos_ids,
+                                 k_cache[..., :rope_dim], v_cache[..., :rope_dim], slots,
+                                 **rope, **fused)[0]
+        table, position = identity_rotation(q_rope)
+        q8_nope = rope_and_cache(q_nope, k_nope, v[..., rope_dim:], position,
+                                 k_cache[..., rope_dim:], v_cache[..., rope_dim:], slots,
+                                 cos_sin_cache=table, rotary_dim=2, **fused)[0]
+        results = [q8_rope, q8_nope]
+    _store([results[0], None, results[1], None], [outs[0], None, outs[1], None])
+    return tuple(out if out is not None else result
+                 for out, result in zip((q_rope_out, q_nope_out), results))
+
+
+def _paged_caches(paged_kv_cache, dtype, page_size: int, layout: str, op_name: str):
+    """``(k_cache, v_cache)`` checked: two 4-d tensors of ``dtype`` whose page dim (by
+    ``layout``) is ``page_size``; the rest (heads, head_dim, strides) cupyrope checks."""
+    if (not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2
+            or not all(isinstance(c, torch.Tensor) for c in paged_kv_cache)):
+        raise TypeError(f"{op_name}: paged_kv_cache must be a tuple (k_cache, v_cache) of two "
+                        f"tensors, got {type(paged_kv_cache).__name__}")
+    for cache, name in zip(paged_kv_cache, ("k_cache", "v_cache")):
+        if cache.dtype != dtype:
+            raise TypeError(f"{op_name}: {name} must have quantize_dtype {dtype}, got "
+                            f"{cache.dtype}")
+        if cache.dim() != 4:
+            raise ValueError(f"{op_name}: {name} must be 4-d (max_pages, page_size, num_kv_heads, "
+                             f"head_dim) for NHD or (max_pages, num_kv_heads, page_size, "
+                             f"head_dim) for HND, got shape {tuple(cache.shape)}")
+        pages = cache.shape[1] if layout == "NHD" else cache.shape[2]
+        if pages != page_size:
+            raise ValueError(f"{op_name}: {name} of shape {tuple(cache.shape)} has pages of "
+                             f"{pages} entries in layout {layout}, but page_size={page_size}")
+    return paged_kv_cache
+
+
+def _paged_slots(kv_indices, kv_indptr, batch_indices, positions, page_size: int, nnz: int,
+                device, op_name: str):
+    """cupyrope's slot of each token (``page * page_size + row``, -1 where nothing is written)
+    from FlashInfer's page table, computed with torch integer ops on ``device`` (no host
+    read)."""
+    for x, name, size in ((kv_indices, "kv_indices", None), (kv_indptr, "kv_indptr", None),
+                          (batch_indices, "batch_indices", nnz), (positions, "positions", nnz)):
+        if require_tensor(x, name, op_name).dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{op_name}: {name} must be int32 or int64, got {x.dtype}")
+        if x.dim() != 1 or (size is not None and x.shape[0] != size):
+            expected = f"({size},) (one per token)" if size is not None else "1-d"
+            raise ValueError(f"{op_name}: {name} must have shape {expected}, got "
+                             f"{tuple(x.shape)}")
+        if x.device != device:
+            raise ValueError(f"{op_name}: {name} is on {x.device} but q_rope is on {device}")
+    num_requests, num_pages = kv_indptr.shape[0] - 1, kv_indices.shape[0]
+    if num_requests < 1 or num_pages < 1:  # no page to write: every token is skipped
+        return torch.full((nnz,), -1, dtype=torch.int64, device=device)
+    request = batch_indices.long()
+    position = positions.long()
+    page_iter = (kv_indptr.long()[request.clamp(0, num_requests - 1)]
+                 + position.div(page_size, rounding_mode="floor"))
+    written = ((request >= 0) & (request < num_requests) & (position >= 0)
+               & (page_iter >= 0) & (page_iter < num_pages))
+    page = kv_indices.long()[page_iter.clamp(0, num_pages - 1)]
+    slot = page * page_size + position.remainder(page_size)
+    return torch.where(written, slot, -1)
+
+
+def get_seq_lens(kv_indptr, kv_last_page_len, page_size):
+    """FlashInfer's ``get_seq_lens``: the KV length of each request from its page count and the
+    entries of its last page, ``max(pages - 1, 0) * page_size + kv_last_page_len``.
+
+    Parameters
+    ----------
+    kv_indptr : int tensor ``(batch_size + 1,)``
+    kv_last_page_len : int tensor ``(batch_size,)``
+    page_size : int
+
+    Returns an int tensor ``(batch_size,)`` on kv_indptr's device (torch ops, no host read).
+    """
+    op_name = "get_seq_lens"
+    page_size = count(page_size, "page_size", op_name, minimum=1)
+    if require_tensor(kv_indptr, "kv_indptr", op_name).dim() != 1 or kv_indptr.shape[0] < 1:
+        raise ValueError(f"{op_name}: kv_indptr must be 1-d (batch_size + 1,), got shape "
+                         f"{tuple(kv_indptr.shape)}")
+    if tuple(require_tensor(kv_last_page_len, "kv_last_page_len", op_name).shape) != (
+            kv_indptr.shape[0] - 1,):
+        raise ValueError(f"{op_name}: kv_last_page_len must have shape "
+                         f"({kv_indptr.shape[0] - 1},) (batch_size), got "
+                         f"{tuple(kv_last_page_len.shape)}")
+    pages = kv_indptr[1:] - kv_indptr[:-1]
+    return torch.clamp(pages - 1, min=0) * page_size + kv_last_page_len
+
+
+def get_batch_indices_positions(append_indptr, seq_lens, nnz, batch_indices=None,
+                                positions=None):
+    """FlashInfer's ``get_batch_indices_positions``: the request and the sequence position of
+    each appended token. Request ``b`` appends tokens ``append_indptr[b]:append_indptr[b + 1]``,
+    the last ``append_indptr[b + 1] - append_indptr[b]`` positions of its ``seq_lens[b]``.
+
+    Parameters
+    ----------
+    append_indptr : int tensor ``(batch_size + 1,)``
+    seq_lens : int tensor ``(batch_size,)`` (:func:`get_seq_lens`)
+    nnz : int
+        Tokens in the ragged batch; those past ``append_indptr[-1]`` get batch index -1 and
+        position 0 (padding).
+    batch_indices, positions : int32 tensors ``(nnz,)``, optional
+        Written and returned when given.
+
+    Returns
+    -------
+    (batch_indices, positions)
+        int32 tensors ``(nnz,)`` on append_indptr's device, computed with torch ops (no host
+        read).
+    """
+    op_name = "get_batch_indices_positions"
+    nnz = count(nnz, "nnz", op_name, minimum=0)
+    if require_tensor(append_indptr, "append_indptr", op_name).dim() != 1 or (
+            append_indptr.shape[0] < 1):
+        raise ValueError(f"{op_name}: append_indptr must be 1-d (batch_size + 1,), got shape "
+                         f"{tuple(append_indptr.shape)}")
+    batch_size = append_indptr.shape[0] - 1
+    if tuple(require_tensor(seq_lens, "seq_lens", op_name).shape) != (batch_size,):
+        raise ValueError(f"{op_name}: seq_lens must have shape ({batch_size},) (batch_size), got "
+                         f"{tuple(seq_lens.shape)}")
+    device = append_indptr.device
+    for out, name in ((batch_indices, "batch_indices"), (positions, "positions")):
+        if out is not None and (require_tensor(out, name, op_name).shape != (nnz,)
+                                or out.dtype != torch.int32 or out.device != device):
+            raise ValueError(f"{op_name}: {name} must be an int32 tensor of shape ({nnz},) on "
+                             f"{device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    ends = append_indptr[1:].long()
+    token = torch.arange(nnz, device=device)
+    request = torch.searchsorted(ends, token, right=True)  # the first request ending past it
+    inside = request < batch_size
+    at = request.clamp(max=max(batch_size - 1, 0))
+    if batch_size:
+        position = token + seq_lens.to(device).long()[at] - ends[at]
+    else:
+        position = torch.zeros_like(token)
+    found = (torch.where(inside, request, -1).int(), torch.where(inside, position, 0).int())
+    results = []
+    for out, value in zip((batch_indices, positions), found):
+        if out is None:
+            results.append(value)
+        else:
+            out.copy_(value)
+            results.append(out)
+    return tuple(results)
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_qk_rmsnorm_rope: QK-RMSNorm over all heads and 3D (frame, height, width) RoPE
+
+NORM_ROPE = "fused_qk_rmsnorm_rope"
+
+
+def fused_qk_rmsnorm_rope(qkv, q_weight, k_weight, *, ppf, pph, ppw, num_frame_channels,
+                          num_height_channels, num_width_channels, num_heads_q, num_heads_k,
+                          num_heads_v, head_dim, eps=1e-6, base=10000.0, interleave=True,
+                          factor=1.0, low=0.0, high=0.0, attention_factor=1.0, is_qk_norm=True,
+                          output_fp8=False, output_quant_scale=1.0, v_quant_scale=1.0,
+                          q_out=None, k_out=None, v_out=None):
+    """FlashInfer's ``fused_qk_rmsnorm_rope`` (video DiT self-attention): RMSNorm of q and of k
+    over all their heads, then 3D RoPE, and v copied out; optionally all three in fp8.
+
+    Parameters
+    ----------
+    qkv : tensor ``[batch, seq_len, (Hq + Hk + Hv) * head_dim]`` or ``[num_tokens, ...]``
+        bfloat16 (FlashInfer's dtype; float16 and float32 work too, the outputs then have that
+        dtype), q heads then k heads then v heads; any strides with a unit last dim. A 2-d qkv
+        holds ``num_tokens // seq_len`` sequences one after the other. Never written.
+    q_weight, k_weight : tensors of ``num_heads_q * head_dim`` / ``num_heads_k * head_dim``
+        elements: the norm weights over the whole q / k projection (one per element).
+    ppf, pph, ppw : int
+        Patches in frame, height and width: ``seq_len = ppf * pph * ppw``, token ``s`` of a
+        sequence at frame ``s // (pph * ppw)``, row ``s // ppw % pph``, column ``s % ppw``.
+    num_frame_channels, num_height_channels, num_width_channels : int
+        Even, adding up to head_dim: rotary pair ``j`` (dims ``2j, 2j + 1`` interleaved, ``j,
+        j + head_dim / 2`` NeoX) turns by the frame position when ``2j < num_frame_channels``,
+        by the height position when below ``num_frame_channels + num_height_channels``, else by
+        the width position, at frequency ``base ** (-2i / C)``, ``i`` its index within its group
+        of ``C`` channels.
+    num_heads_q, num_heads_k, num_heads_v, head_dim : int
+    eps : float
+        ``x * rsqrt(mean(x**2) + eps) * weight``, the mean over all heads of q (of k).
+    base : float
+    interleave : bool
+        True (FlashInfer's default): GPT-J pairing; False: NeoX.
+    factor, low, high, attention_factor : float
+        YaRN: with ``factor != 1`` frequency ``f`` of index ``i`` becomes
+        ``f / factor * r + f * (1 - r)``, ``r = clip((i - low) / (high - low), 0, 1)`` (``high``
+        moved by 0.001 when equal to ``low``), and the rotated values are multiplied by
+        ``attention_factor`` (which must be 1 when ``factor`` is 1, as FlashInfer requires).
+    is_qk_norm : bool
+        False: RoPE only.
+    output_fp8 : bool
+        q, k and v outputs as float8_e4m3fn: ``fp8(value * output_quant_scale)`` for q and k,
+        ``fp8(v * v_quant_scale)``, saturated.
+    q_out, k_out, v_out : tensors, optional
+        ``[batch, seq_len, H, head_dim]`` (3-d qkv) or ``[num_tokens, H, head_dim]``, of the
+        output dtype, any strides with a unit last dim; written and returned.
+
+    Returns
+    -------
+    (q_out, k_out, v_out)
+
+    Notes
+    -----
+    Three cupyrope launches (four when q and k have different head counts) where FlashInfer's
+    kernel takes one, because cupyrope's norm is per head: :func:`cupyrope.rms_norm_rope`
+    normalises q and k seen as one head of ``H * head_dim`` each (one launch for both when
+    their head counts agree, else one each), under the exact identity rotation
+    (``x * 1 - y * 0``), rounding to qkv's dtype as FlashInfer's kernel rounds to bfloat16 at
+    that point; then
+    :func:`cupyrope.apply_rope` applies the 3D RoPE as M-RoPE (``mrope_section`` of the three
+    groups' pairs) from a ``[max(ppf, pph, ppw), head_dim]`` float32 table made in float64, at
+    ``[3, seq_len]`` positions; v is copied (``Tensor.copy_``), or quantised by an identity
+    rotation with an fp8 output. The table and positions are made once per device and
+    arguments and kept; a first call inside a CUDA graph capture raises (call once before
+    capturing). Angles come from float64 (FlashInfer: float32 frequencies and fast-math
+    sincos). With ``output_fp8`` the normalised values are rounded to qkv's dtype before the
+    rotation too (FlashInfer keeps float32 there): an error of up to half a bfloat16 ulp of the
+    head's largest value, below the fp8 rounding except where the rotation cancels to a small
+    value; fp8 ``*_out`` buffers given are filled by an fp8 copy.
+    """
+    op_name = NORM_ROPE
+    sizes = {name: count(value, name, op_name, minimum=minimum)
+             for name, value, minimum in (
+                 ("ppf", ppf, 1), ("pph", pph, 1), ("ppw", ppw, 1),
+                 ("num_frame_channels", num_frame_channels, 0),
+                 ("num_height_channels", num_height_channels, 0),
+                 ("num_width_channels", num_width_channels, 0),
+                 ("num_heads_q", num_heads_q, 1), ("num_heads_k", num_heads_k, 1),
+                 ("num_heads_v", num_heads_v, 0), ("head_dim", head_dim, 2))}
+    channels = [sizes[f"num_{part}_channels"] for part in ("frame", "height", "width")]
+    head_dim, seq_len = sizes["head_dim"], sizes["ppf"] * sizes["pph"] * sizes["ppw"]
+    if any(c % 2 for c in channels) or sum(channels) != head_dim:
+        raise ValueError(f"{op_name}: num_frame_channels, num_height_channels and "
+                         f"num_width_channels must be even and add up to head_dim ({head_dim}), "
+                         f"got {channels}")
+    for flag, name in ((interleave, "interleave"), (is_qk_norm, "is_qk_norm"),
+                       (output_fp8, "output_fp8")):
+        check_bool(flag, name, op_name)
+    yarn = [check_real(value, name, op_name) for value, name in (
+        (factor, "factor"), (low, "low"), (high, "high"), (attention_factor, "attention_factor"))]
+    base = check_theta(base, op_name, "base")
+    if yarn[0] == 1.0 and yarn[3] != 1.0:
+        raise ValueError(f"{op_name}: attention_factor must be 1 when factor is 1 (YaRN off), got "
+                         f"{attention_factor!r}")
+    if not (math.isfinite(yarn[0]) and yarn[0] > 0):
+        raise ValueError(f"{op_name}: factor must be finite and > 0, got {factor!r}")
+    heads = [sizes["num_heads_q"], sizes["num_heads_k"], sizes["num_heads_v"]]
+    q, k, v = _video_qkv(qkv, heads, head_dim, seq_len, op_name)
+    weights = []
+    for weight, name, h in ((q_weight, "q_weight", heads[0]), (k_weight, "k_weight", heads[1])):
+        if require_tensor(weight, name, op_name).numel() != h * head_dim:
+            raise ValueError(f"{op_name}: {name} must have num_heads * head_dim = {h * head_dim} "
+                             f"elements, got shape {tuple(weight.shape)}")
+        weights.append(weight.reshape(h * head_dim))
+    out_dtype = torch.float8_e4m3fn if output_fp8 else qkv.dtype
+    outs = []
+    for out, like, name in ((q_out, q, "q_out"), (k_out, k, "k_out"), (v_out, v, "v_out")):
+        shape = tuple(like.shape) if qkv.dim() == 3 else (like.shape[0] * like.shape[1],
+                                                          *like.shape[2:])
+        if out is not None and (require_tensor(out, name, op_name).shape != shape
+                                or out.dtype != out_dtype or out.device != qkv.device):
+            raise ValueError(f"{op_name}: {name} must be a {out_dtype} tensor of shape {shape} "
+                             f"on {qkv.device}, got {out.dtype} {tuple(out.shape)} on "
+                             f"{out.device}")
+        outs.append(None if out is None else out.view(like.shape))
+    scales = [_scale(value, name, op_name) for value, name in (
+        (output_quant_scale, "output_quant_scale"), (v_quant_scale, "v_quant_scale"))]
+    table, positions = _video_rope_table(qkv, head_dim, channels, base, yarn,
+                                         (sizes["ppf"], sizes["pph"], sizes["ppw"]), op_name)
+    mrope = {"mrope_section": [c // 2 for c in channels]}
+
+    if is_qk_norm:  # over all heads: each part as one head of H * head_dim
+        flat = [x.flatten(-2).unsqueeze(-2) for x in (q, k)]
+        identity, zero = identity_rotation(qkv)
+        norm = dict(eps=eps, cos_sin_cache=identity, rotary_dim=2)
+        if heads[0] == heads[1]:  # q and k in one launch
+            normed = rms_norm_rope(*flat, *weights, zero, **norm)
+        else:  # heads of different widths: one launch each
+            normed = [rms_norm_rope(x, None, w, None, zero, **norm)
+                      for x, w in zip(flat, weights)]
+        q, k = (x.view(like.shape) for x, like in zip(normed, (q, k)))
+    rope = dict(cos_sin_cache=table, scaling=mrope, interleaved=interleave)
+    if output_fp8:
+        scale = _reciprocal(scales[0])
+        results = list(cupyrope_apply_rope(q, k, positions, out_dtype=out_dtype, q_scale=scale,
+                                           k_scale=scale, **rope))
+        results.append(_fp8_copy(v, _reciprocal(scales[1]), out_dtype))
+        for out, result in zip(outs, results):
+            if out is not None:
+                out.copy_(result)
+    elif outs[0] is not None and outs[1] is not None:
+        results = list(cupyrope_apply_rope(q, k, positions, out=(outs[0], outs[1]), **rope))
+        results.append(None)
+    else:
+        results = list(cupyrope_apply_rope(q, k, positions, **rope))
+        results.append(None)
+        for out, result in zip(outs[:2], results):
+            if out is not None:
+                out.copy_(result)
+    if not output_fp8:
+        results[2] = outs[2] if outs[2] is not None else torch.empty_like(
+            v, memory_format=torch.contiguous_format)
+        results[2].copy_(v)
+    given = (q_out, k_out, v_out)
+    return tuple(out if out is not None else result.view(_video_out_shape(result, qkv))
+                 for out, result in zip(given, results))
+
+
+def _video_out_shape(result, qkv) -> tuple:
+    """The shape FlashInfer returns: ``[batch, seq_len, H, D]`` for 3-d qkv, else
+    ``[num_tokens, H, D]``."""
+    return tuple(result.shape) if qkv.dim() == 3 else (-1, *result.shape[2:])
+
+
+def _video_qkv(qkv, heads, head_dim: int, seq_len: int, op_name: str):
+    """q, k and v of a ``[batch, seq_len, hidden]`` (or ``[num_tokens, hidden]``) qkv as
+    ``[batch, seq_len, H, head_dim]`` views."""
+    if require_tensor(qkv, "qkv", op_name).dim() not in (2, 3):
+        raise ValueError(f"{op_name}: qkv must be 2-d [num_tokens, hidden] or 3-d [batch, "
+                         f"seq_len, hidden], got shape {tuple(qkv.shape)}")
+    width = sum(heads) * head_dim
+    if qkv.shape[-1] != width or qkv.stride(-1) != 1:
+        raise ValueError(f"{op_name}: qkv's last dim must be (num_heads_q + num_heads_k + "
+                         f"num_heads_v) * head_dim = {width} with stride 1, got shape "
+                         f"{tuple(qkv.shape)} and strides {tuple(qkv.stride())}")
+    if qkv.dim() == 3 and qkv.shape[1] != seq_len:
+        raise ValueError(f"{op_name}: qkv's seq_len {qkv.shape[1]} != ppf * pph * ppw = {seq_len}")
+    if qkv.dim() == 2:
+        if qkv.shape[0] % seq_len:
+            raise ValueError(f"{op_name}: qkv's num_tokens {qkv.shape[0]} must be a multiple of "
+                             f"ppf * pph * ppw = {seq_len}")
+        qkv = qkv.unflatten(0, (qkv.shape[0] // seq_len, seq_len))
+    ends = [0, heads[0] * head_dim, (heads[0] + heads[1]) * head_dim, width]
+    return [qkv[..., lo:hi].unflatten(-1, (h, head_dim))
+            for lo, hi, h in zip(ends[:-1], ends[1:], heads)]
+
+
+def _video_frequencies(head_dim: int, channels, base: float, yarn) -> np.ndarray:
+    """FlashInfer's frequency of each of the ``head_dim // 2`` pairs, in float64: each group of
+    channels counts its own indices; YaRN blends in ``f / factor`` by index."""
+    factor, low, high, _ = yarn
+    if abs(low - high) <= 1e-6:
+        high += 0.001
+    groups = []
+    for size in channels:
+        index = np.arange(size // 2, dtype=np.float64)
+        freq = base ** (-2.0 * index / size) if size else index
+        if factor != 1.0:
+            ramp = np.clip((index - low) / (high - low), 0.0, 1.0)
+            freq = freq / factor * ramp + freq * (1.0 - ramp)
+        groups.append(freq)
+    return np.concatenate(groups)
+
+
+def _video_rope_table(like, head_dim: int, channels, base: float, yarn, patches, op_name: str):
+    """The ``[max(patches), head_dim]`` float32 cos/sin table (times attention_factor) and the
+    ``[3, seq_len]`` int32 (frame, row, column) positions on ``like``'s device, made once per
+    device and arguments."""
+    key = (like.device, head_dim, tuple(channels), base, tuple(yarn), tuple(patches))
+    found = _VIDEO_TABLES.get(key)
+    if found is not None:
+        return found
+    if like.device.type == "cuda":
+        with torch.cuda.device(like.device):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{op_name}: the first call with these sizes uploads a frequency table, which "
+                    "a CUDA graph capture cannot do: call it once before capturing")
+    ppf, pph, ppw = patches
+    angles = np.outer(np.arange(max(patches), dtype=np.float64),
+                      _video_frequencies(head_dim, channels, base, yarn))
+    table = np.concatenate([np.cos(angles), np.sin(angles)], axis=-1) * yarn[3]
+    token = np.arange(ppf * pph * ppw)
+    positions = np.stack([token // (pph * ppw), token // ppw % pph, token % ppw])
+    found = (torch.from_numpy(table.astype(np.float32)).to(like.device),
+             torch.from_numpy(positions.astype(np.int32)).to(like.device))
+    if len(_VIDEO_TABLES) >= 64:
+        _VIDEO_TABLES.clear()
+    _VIDEO_TABLES[key] = found
+    return found
+
+
+_VIDEO_TABLES: dict = {}
+
+
+def _fp8_copy(x, divisor, dtype):
+    """``fp8(x / divisor)``, saturated, through one cupyrope launch of the identity rotation."""
+    identity, zero = identity_rotation(x)
+    return cupyrope_apply_rope(x, positions=zero, cos_sin_cache=identity, rotary_dim=2,
+                               out_dtype=dtype, q_scale=divisor)
 
 
 # ----------------------------------------------------------------------------------------------

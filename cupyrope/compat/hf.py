@@ -1,12 +1,17 @@
-"""Hugging Face: ``apply_rotary_pos_emb`` of the Llama family, and patching a model to use it."""
+"""Hugging Face: ``apply_rotary_pos_emb`` of the Llama family, and patching a model so that each
+attention layer rotates q and k (after its per-head QK-RMSNorm, in the QK-norm models) in one
+cupyrope launch."""
 
 from __future__ import annotations
 
+import copy
 import sys
+from dataclasses import dataclass
 
 import torch
 
-from ..api import apply_rope
+from ..api import apply_rope, rms_norm_rope
+from .hf_attention import attention_form
 
 
 def hf_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -30,6 +35,18 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return _hf_rotate_pair(q, k, cos, sin, unsqueeze_dim)
 
 
+def _hf_apply_rotary_pos_emb_in_input_dtypes(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """:func:`hf_apply_rotary_pos_emb` for the modules whose function returns q and k in their
+    own dtypes (OLMo, OLMo 2, ModernBERT: ``q_embed.to(q.dtype)`` after computing in the type
+    promotion with float32 tables): one launch in q's dtype, the tables as they are (cupyrope
+    computes in float32, float64 for float64 q, and rounds once)."""
+    del position_ids
+    if q.dtype != k.dtype:
+        return (_hf_rotate(q, cos, sin, unsqueeze_dim, "q", promote=False),
+                _hf_rotate(k, cos, sin, unsqueeze_dim, "k", promote=False))
+    return _hf_rotate_pair(q, k, cos, sin, unsqueeze_dim, promote=False)
+
+
 def _hf_heads_axis(x, cos, unsqueeze_dim: int, name: str) -> int:
     """The axis of x that ``cos.unsqueeze(unsqueeze_dim)`` broadcasts over (the heads)."""
     rank = cos.dim() + 1
@@ -51,37 +68,57 @@ def _hf_promoted(x, cos, sin):
     return x if x.dtype == dtype else x.to(dtype)
 
 
-def _hf_rotate(x, cos, sin, unsqueeze_dim, name):
+def _hf_rotate(x, cos, sin, unsqueeze_dim, name, promote=True):
     heads = _hf_heads_axis(x, cos, unsqueeze_dim, name)
-    x = _hf_promoted(x, cos, sin)
+    if promote:
+        x = _hf_promoted(x, cos, sin)
     out = apply_rope(x.movedim(heads, -2), cos=cos, sin=sin)
     return out.movedim(-2, heads)
 
 
-def _hf_rotate_pair(q, k, cos, sin, unsqueeze_dim):
+def _hf_rotate_pair(q, k, cos, sin, unsqueeze_dim, promote=True):
     q_heads = _hf_heads_axis(q, cos, unsqueeze_dim, "q")
     k_heads = _hf_heads_axis(k, cos, unsqueeze_dim, "k")
-    q, k = _hf_promoted(q, cos, sin), _hf_promoted(k, cos, sin)
+    if promote:
+        q, k = _hf_promoted(q, cos, sin), _hf_promoted(k, cos, sin)
     q_out, k_out = apply_rope(q.movedim(q_heads, -2), k.movedim(k_heads, -2), cos=cos, sin=sin)
     return q_out.movedim(-2, q_heads), k_out.movedim(-2, k_heads)
 
 
 class HFPatch:
     """What :func:`patch_hf_model` replaced; ``restore()`` (or leaving a ``with`` block) puts the
-    original functions back."""
+    original functions and attention forwards back."""
 
-    def __init__(self, originals: dict):
+    def __init__(self, originals: dict, layers: dict | None = None,
+                 replacements: dict | None = None):
         self.originals = originals  # module -> its original apply_rotary_pos_emb
+        # module -> the function put in its place (hf_apply_rotary_pos_emb unless given)
+        self._replacements = dict(replacements or {})
+        # qualified name -> (attention layer, the forward set on it, the op it calls)
+        self._layers = dict(layers or {})
 
     @property
     def modules(self) -> list[str]:
         return [module.__name__ for module in self.originals]
 
+    @property
+    def layers(self) -> dict[str, str]:
+        """The attention layers whose forward the patch replaced, by qualified name, with the
+        cupyrope op each calls: ``"rms_norm_rope"`` (QK-norm and rotation in one launch) or
+        ``"apply_rope"``."""
+        return {name: op for name, (_, _, op) in self._layers.items()}
+
     def restore(self) -> None:
+        for layer, forward, _ in self._layers.values():
+            if layer.__dict__.get("forward") is forward:
+                del layer.forward  # the class's own forward again
+        self._layers = {}
         for module, original in self.originals.items():
-            if getattr(module, "apply_rotary_pos_emb", None) is hf_apply_rotary_pos_emb:
+            replacement = self._replacements.get(module, hf_apply_rotary_pos_emb)
+            if getattr(module, "apply_rotary_pos_emb", None) is replacement:
                 module.apply_rotary_pos_emb = original
         self.originals = {}
+        self._replacements = {}
 
     def __enter__(self) -> "HFPatch":
         return self
@@ -90,10 +127,12 @@ class HFPatch:
         self.restore()
 
     def __repr__(self) -> str:
-        return f"HFPatch(modules={self.modules})"
+        ops = list(self.layers.values())
+        counts = {op: ops.count(op) for op in sorted(set(ops))}
+        return f"HFPatch(modules={self.modules}, layers per op={counts})"
 
 
-def patch_hf_model(model, *, check=True) -> HFPatch:
+def patch_hf_model(model, *, check=True, attention=True) -> HFPatch:
     """Make a Hugging Face Llama-family model rotate q and k with cupyrope.
 
     The attention layers of Llama-family models call their modeling module's
@@ -102,17 +141,34 @@ def patch_hf_model(model, *, check=True) -> HFPatch:
     :func:`hf_apply_rotary_pos_emb`. The replacement is process-wide for those modules (every model
     of the same classes uses it) until ``restore()``.
 
-    With ``check=True`` (the default) each original is first compared with the replacement on a
-    small random float64 input of the model's head size (and partial rotary width): a module whose
-    function computes something else (GPT-J's or Cohere's interleaved pairing, multimodal M-RoPE,
-    another signature) raises ValueError and nothing is patched.
+    With ``attention=True`` (the default) the attention layers of this model whose ``forward``
+    has the usual shape (q and k projected, viewed as ``[B, S, H, D]``, transposed to ``[B, H, S,
+    D]``, then rotated: Llama, Mistral, Qwen2, OLMo 2 ...) also get a copy of their class's
+    forward, set on the layer, that rotates the projections before that transpose: one launch
+    with no layout work around it. In the QK-norm models whose q_norm / k_norm are per-head
+    RMSNorms (Qwen3, Qwen3-MoE: ``w * x``; Gemma 3: ``(1 + w) * x``) that launch is
+    :func:`cupyrope.rms_norm_rope`: the norm and the rotation in one pass, forward and backward.
+    Every other statement of the forward is the class's own code. Calls that the fused op cannot
+    take as Hugging Face computes them (mixed dtypes, float64, hooks on the norms) run the
+    layer's norms and then the rotation. OLMo 2 normalises the whole projection, not each head:
+    its norms stay Hugging Face's and only the rotation is replaced. Modules whose function
+    returns q and k in their own dtypes rather than promoted with the tables (OLMo, OLMo 2,
+    ModernBERT: float32 tables in a bfloat16 model) get a replacement that does the same.
 
-    Returns an :class:`HFPatch`; use it as a context manager or call ``restore()``.
+    With ``check=True`` (the default) each original function is first compared with the
+    replacement on a small random float64 input of the model's head size (and partial rotary
+    width): a module whose function computes something else (GPT-J's or Cohere's interleaved
+    pairing, multimodal M-RoPE, another signature) raises ValueError and nothing is patched. A
+    norm is fused only after a float32 copy of it has computed ``x * rsqrt(mean(x**2) + eps) *
+    (offset + w)`` over the last dim (offset 0 or 1) on random input, whatever ``check`` is.
+
+    Returns an :class:`HFPatch` (``layers`` lists the replaced forwards and the op each calls);
+    use it as a context manager or call ``restore()``.
 
     Examples
     --------
     >>> from cupyrope.compat import patch_hf_model                       # doctest: +SKIP
-    >>> with patch_hf_model(model):                                      # doctest: +SKIP
+    >>> with patch_hf_model(model) as patch:                             # doctest: +SKIP
     ...     loss = model(input_ids, labels=input_ids).loss
     """
     modules = []
@@ -127,14 +183,230 @@ def patch_hf_model(model, *, check=True) -> HFPatch:
             "apply_rotary_pos_emb; only models whose attention calls it can be patched"
         )
     originals = {m: m.apply_rotary_pos_emb for m in modules
-                 if m.apply_rotary_pos_emb is not hf_apply_rotary_pos_emb}
+                 if m.apply_rotary_pos_emb not in _ROTATIONS}
     if check:
         head_dim, rotary_dim = _hf_head_dims(model)
         for module, original in originals.items():
             _check_equivalent(module.__name__, original, head_dim, rotary_dim)
-    for module in originals:
-        module.apply_rotary_pos_emb = hf_apply_rotary_pos_emb
-    return HFPatch(originals)
+    replacements = {m: _replacement_for(original) for m, original in originals.items()}
+    installed = {m: replacements.get(m, m.apply_rotary_pos_emb) for m in modules}
+    layers = _attention_forwards(model, installed) if attention else {}
+    for module, replacement in replacements.items():
+        module.apply_rotary_pos_emb = replacement
+    for layer, forward, _ in layers.values():
+        layer.forward = forward
+    return HFPatch(originals, layers, replacements)
+
+
+def _replacement_for(original):
+    """What replaces ``original``: :func:`hf_apply_rotary_pos_emb` (Hugging Face's type
+    promotion of q and the tables), or, for a function that returns q and k in their own dtypes
+    (asked on float32 q and k with float64 tables; OLMo 2), the variant that does too."""
+    q, k, cos, sin = _sample(8, 8)
+    try:
+        with torch.no_grad():
+            result = original(q.float(), k.float(), cos, sin)
+        keeps = all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 for x in result)
+    except Exception:  # a function the sample does not suit: Hugging Face's usual promotion
+        keeps = False
+    return _hf_apply_rotary_pos_emb_in_input_dtypes if keeps else hf_apply_rotary_pos_emb
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention forwards that rotate (and QK-normalise) in one launch
+
+
+def _rotate_heads_last(attention, q, k, cos, sin):
+    """The rotation of a rewritten forward (cupyrope.compat.hf_attention) of ``attention``, a
+    layer with no QK-norm, or one whose norms stay its own: q and k are the ``[B, S, H, D]``
+    projections, ``cos`` / ``sin`` Hugging Face's ``[B, S, D]`` tables; returns the rotated q and
+    k as the ``[B, H, S, D]`` views the layer's own code continues with. One dtype throughout:
+    one launch on the projections as they are; otherwise Hugging Face's type promotion, through
+    :func:`hf_apply_rotary_pos_emb` on the transposed views."""
+    if q.dtype == k.dtype == cos.dtype == sin.dtype and q.dim() == 4 and cos.dim() == 3:
+        q, k = apply_rope(q, k, cos=cos, sin=sin)
+        return q.transpose(1, 2), k.transpose(1, 2)
+    return hf_apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+
+
+def _rotate_heads_last_in_input_dtypes(attention, q, k, cos, sin):
+    """:func:`_rotate_heads_last` for the modules whose rotation keeps q's and k's dtypes (OLMo
+    2, whose tables are float32 in a bfloat16 model): one launch whatever the tables' dtype."""
+    if q.dtype == k.dtype and q.dim() == 4 and cos.dim() == 3:
+        q, k = apply_rope(q, k, cos=cos, sin=sin)
+        return q.transpose(1, 2), k.transpose(1, 2)
+    return _hf_apply_rotary_pos_emb_in_input_dtypes(q.transpose(1, 2), k.transpose(1, 2), cos,
+                                                    sin)
+
+
+# What a patch puts in place of a module's apply_rotary_pos_emb -> the rotation its layers'
+# rewritten forwards call.
+_ROTATIONS = {hf_apply_rotary_pos_emb: _rotate_heads_last,
+              _hf_apply_rotary_pos_emb_in_input_dtypes: _rotate_heads_last_in_input_dtypes}
+
+
+@dataclass(frozen=True)
+class _RMSNormForm:
+    """What a per-head RMSNorm class computes, found on a float32 copy of one of its modules:
+    ``x * rsqrt(mean(x**2) + eps) * (weight_offset + weight)`` over the last dim, with ``eps``
+    in the attribute ``eps_name``."""
+
+    eps_name: str
+    weight_offset: float
+
+
+_RMS_NORM_FORMS: dict = {}  # norm class -> its _RMSNormForm, or None
+_FUSED_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
+_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+
+
+def _rms_norm_form(norm) -> _RMSNormForm | None:
+    """The :class:`_RMSNormForm` of a norm module's class, or None when a float32 copy of the
+    module computes something else (or cannot be made). Memoised per class."""
+    cls = type(norm)
+    if cls not in _RMS_NORM_FORMS:
+        _RMS_NORM_FORMS[cls] = _probe_rms_norm(norm)
+    return _RMS_NORM_FORMS[cls]
+
+
+def _probe_rms_norm(norm) -> _RMSNormForm | None:
+    weight = norm._parameters.get("weight")
+    eps_name = next((name for name in _EPS_NAMES
+                     if isinstance(norm.__dict__.get(name), float)), None)
+    if (weight is None or weight.dim() != 1 or eps_name is None
+            or len(list(norm.parameters())) != 1 or len(list(norm.buffers())) != 0):
+        return None
+    eps = norm.__dict__[eps_name]
+    width = weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    # A float32 copy (Hugging Face's norms compute in float32 whatever the input) on inputs of
+    # the size of sqrt(eps), so that a wrong eps shows as plainly as a wrong formula.
+    weight64 = torch.rand(width, dtype=torch.float64, generator=generator) + 0.5
+    x64 = torch.randn(2, 3, width, dtype=torch.float64, generator=generator)
+    x64 = x64 * max(eps, 1e-12) ** 0.5
+    try:
+        probe = copy.deepcopy(norm).to_empty(device="cpu").to(torch.float32)
+        with torch.no_grad():
+            probe.weight.copy_(weight64)
+            got = probe(x64.float())
+    except Exception:  # a norm that cannot be copied to the CPU or run there: not fused
+        return None
+    if not (isinstance(got, torch.Tensor) and got.dtype == torch.float32
+            and got.shape == x64.shape):
+        return None
+    normed = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps)
+    for offset in (0.0, 1.0):
+        want = normed * (offset + weight64)
+        if torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()):
+            return _RMSNormForm(eps_name, offset)
+    return None
+
+
+_MODULE_HOOKS = torch.nn.modules.module  # the global hook registries live there
+_grad_enabled = torch.is_grad_enabled
+
+
+def _runs_plainly(module) -> bool:
+    """Whether calling ``module`` runs nothing but its class's forward (no hooks, no forward set
+    on the module itself): then the fused op may stand in for it."""
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in module.__dict__
+                or _MODULE_HOOKS._global_forward_hooks
+                or _MODULE_HOOKS._global_forward_pre_hooks)
+
+
+def _norm_rotation(q_attr: str, k_attr: str, norms_after_transpose: bool, rotary):
+    """The rotation of a rewritten QK-norm forward: q and k arrive as the ``[B, S, H, D]``
+    projections before their norms (``self.<q_attr>``, ``self.<k_attr>``) and leave normalised
+    and rotated as ``[B, H, S, D]`` views, through one :func:`cupyrope.rms_norm_rope` launch.
+    Calls the fused op cannot take as Hugging Face computes them run the layer's own norms, in
+    the layer's own order (before or after the transpose), then ``rotary`` (what replaced the
+    module's apply_rotary_pos_emb)."""
+
+    def rotate(attention, q, k, cos, sin):
+        submodules = attention._modules  # nn.Module.__getattr__ costs more than the checks
+        q_norm, k_norm = submodules.get(q_attr), submodules.get(k_attr)
+        form = _RMS_NORM_FORMS.get(type(q_norm))
+        if (form is not None and type(k_norm) is type(q_norm) and q.dtype in _FUSED_DTYPES
+                and q.dtype == k.dtype == cos.dtype == sin.dtype and q.dim() == 4
+                and cos.dim() == 3 and _runs_plainly(q_norm) and _runs_plainly(k_norm)):
+            q_weight = q_norm._parameters.get("weight")
+            k_weight = k_norm._parameters.get("weight")
+            eps = q_norm.__dict__.get(form.eps_name)
+            if (q_weight is not None and k_weight is not None and q_weight.dtype == q.dtype
+                    and k_weight.dtype == q.dtype
+                    and k_norm.__dict__.get(form.eps_name) == eps):
+                if not _grad_enabled():
+                    # Parameters require grad even under no_grad / inference_mode, which keeps
+                    # a call off the repeat-call path: without autograd they are plain arrays.
+                    q_weight, k_weight = q_weight.detach(), k_weight.detach()
+                q, k = rms_norm_rope(q, k, q_weight, k_weight, eps=eps,
+                                     weight_offset=form.weight_offset, cos=cos, sin=sin)
+                return q.transpose(1, 2), k.transpose(1, 2)
+        q_norm, k_norm = getattr(attention, q_attr), getattr(attention, k_attr)
+        if norms_after_transpose:
+            q, k = q_norm(q.transpose(1, 2)), k_norm(k.transpose(1, 2))
+        else:
+            q, k = q_norm(q).transpose(1, 2), k_norm(k).transpose(1, 2)
+        return rotary(q, k, cos, sin)
+
+    return rotate
+
+
+_FORWARDS: dict = {}  # (class forward, fused, rotary) -> its rewritten copy
+
+
+def _rewritten(form, fused: bool, rotary):
+    """The rewritten copy of ``form``'s forward (memoised): ``rotary`` is the function in place
+    of its module's apply_rotary_pos_emb."""
+    key = (form.function, fused, rotary)
+    if key not in _FORWARDS:
+        rotate = (_norm_rotation(form.q_norm, form.k_norm, form.norms_after_transpose, rotary)
+                  if fused else _ROTATIONS[rotary])
+        _FORWARDS[key] = form.build(rotate, fused=fused)
+    return _FORWARDS[key]
+
+
+def _attention_forwards(model, installed: dict) -> dict:
+    """The attention layers of ``model`` to give a rewritten forward: qualified name -> (layer,
+    bound forward, op). Only layers whose class's forward comes from a module of ``installed``
+    (module -> the function the patch puts, or has put, in place of its checked
+    ``apply_rotary_pos_emb``), has the shape :func:`cupyrope.compat.hf_attention.attention_form`
+    reads, and is not already replaced on the layer (by an earlier patch, or by hooks such as
+    Accelerate's)."""
+    layers = {}
+    for name, layer in model.named_modules():
+        forward = type(layer).forward
+        rotary = installed.get(sys.modules.get(getattr(forward, "__module__", None)))
+        if "forward" in layer.__dict__ or rotary not in _ROTATIONS:
+            continue
+        form = attention_form(forward)
+        if form is None:
+            continue
+        fused = form.can_fuse and _fusable_norms(layer, form)
+        if form.norms_after_transpose and not fused:
+            continue  # the norms would see [B, S, H, D]: only a known per-head norm may
+        rewritten = _rewritten(form, fused, rotary)
+        op = "rms_norm_rope" if fused else "apply_rope"
+        layers[name] = (layer, rewritten.__get__(layer, type(layer)), op)
+    return layers
+
+
+def _fusable_norms(layer, form) -> bool:
+    """Whether ``layer``'s q and k norms are per-head RMSNorms of one class (and eps) that
+    :func:`cupyrope.rms_norm_rope` computes, over the layer's ``head_dim``, with no hooks."""
+    q_norm, k_norm = layer._modules.get(form.q_norm), layer._modules.get(form.k_norm)
+    head_dim = getattr(layer, "head_dim", None)
+    if (q_norm is None or type(k_norm) is not type(q_norm) or not isinstance(head_dim, int)
+            or not (_runs_plainly(q_norm) and _runs_plainly(k_norm))):
+        return False
+    for norm in (q_norm, k_norm):
+        weight = norm._parameters.get("weight")
+        if weight is None or tuple(weight.shape) != (head_dim,):
+            return False
+    norm_form = _rms_norm_form(q_norm)
+    return (norm_form is not None and q_norm.__dict__.get(norm_form.eps_name)
+            == k_norm.__dict__.get(norm_form.eps_name))
 
 
 def _hf_head_dims(model) -> tuple[int, int]:

@@ -1,8 +1,10 @@
-"""vLLM: the in-place ``rotary_embedding`` op (SGLang's and FlashInfer's too), the fused
-``fused_qk_norm_rope`` op, and RoPE fused with ``reshape_and_cache_flash``.
+"""vLLM: the in-place ``rotary_embedding`` op (SGLang's and FlashInfer's too) and
+``batched_rotary_embedding``, the fused ``fused_qk_norm_rope`` and ``fused_qk_norm_rope_kvcache``
+ops, ``reshape_and_cache_flash``, and RoPE fused with ``reshape_and_cache_flash``.
 
 Each function takes the arguments of the call it replaces (torch tensors, CUDA or CPU) and maps
-them onto one cupyrope op through views: no copy of q, k, v or the caches. The helpers at the end
+them onto one cupyrope op through views: no copy of q, k, v or the caches
+(``fused_qk_norm_rope_kvcache`` copies its results into the ``q_out`` / ``k_out`` given). The helpers at the end
 (head views, cache formats and scales, the cache write) are shared with the SGLang adapter.
 """
 
@@ -38,6 +40,19 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox=Tr
         True: NeoX pairing (``rotate_half``); False: GPT-J (interleaved).
 
     Returns None; query and key hold the result (as vLLM's op).
+
+    Notes
+    -----
+    Each output is the float32 rotation rounded once to query's dtype. vLLM's tests compare its
+    kernel with a torch reference that rounds to bfloat16 after every multiply and add
+    (``x1 * cos - x2 * sin`` in bf16 tensors, with a bf16 table), within ``atol=1e-3,
+    rtol=1.6e-2``; that reference is the less accurate of the two, so a few elements fall
+    outside that tolerance. Measured on CPU (bf16 q ``[2048, 8, 128]`` of N(0, 1) values, vLLM's
+    bf16 table of 8192 rows, random positions, both pairings), against float64 on the same bf16
+    values: largest error 0.0156 here (half a bf16 ulp at |x| < 4) against 0.025 to 0.027 for
+    the per-op reference; on the 0.6 % of elements outside vLLM's tolerance, cupyrope's error
+    is 5.2x to 63x smaller element by element (median 61x; largest 0.00098 against 0.010 to
+    0.013). tests/test_compat_vllm.py checks that ordering on fresh data.
     """
     rotate_in_place("rotary_embedding", positions, query, key, head_size, cos_sin_cache, is_neox)
 
@@ -73,29 +88,8 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     ``rope(x * rsqrt(mean(x**2) + eps) * weight)``, computed in float32 and rounded once.
     """
     op_name = "fused_qk_norm_rope"
-    heads = {name: count(value, name, op_name, minimum=1 if name != "num_heads_v" else 0)
-             for name, value in (("num_heads_q", num_heads_q), ("num_heads_k", num_heads_k),
-                                 ("num_heads_v", num_heads_v))}
-    head_dim = count(head_dim, "head_dim", op_name, minimum=1)
-    check_bool(is_neox, "is_neox", op_name)
-    if require_tensor(qkv, "qkv", op_name).dim() != 2:
-        raise ValueError(f"{op_name}: qkv must be 2-d [num_tokens, (num_heads_q + num_heads_k + "
-                         f"num_heads_v) * head_dim], got shape {tuple(qkv.shape)}")
-    width = sum(heads.values()) * head_dim
-    if qkv.shape[1] != width:
-        raise ValueError(f"{op_name}: qkv has {qkv.shape[1]} columns, expected (num_heads_q + "
-                         f"num_heads_k + num_heads_v) * head_dim = {width}")
-    if qkv.stride(1) != 1:
-        raise ValueError(f"{op_name}: qkv's last dim must have stride 1, got strides "
-                         f"{tuple(qkv.stride())}")
-    num_tokens = qkv.shape[0]
-    if tuple(require_tensor(position_ids, "position_ids", op_name).shape) != (num_tokens,):
-        raise ValueError(f"{op_name}: position_ids must have shape ({num_tokens},) (one per row of "
-                         f"qkv), got {tuple(position_ids.shape)}")
-    q_end = heads["num_heads_q"] * head_dim
-    k_end = q_end + heads["num_heads_k"] * head_dim
-    q = qkv[:, :q_end].view(num_tokens, heads["num_heads_q"], head_dim)
-    k = qkv[:, q_end:k_end].view(num_tokens, heads["num_heads_k"], head_dim)
+    q, k, _ = split_qkv(op_name, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, is_neox,
+                        position_ids)
     rms_norm_rope(q, k, q_weight, k_weight, position_ids, eps=eps, cos_sin_cache=cos_sin_cache,
                   interleaved=not is_neox, inplace=True)
 
@@ -153,12 +147,200 @@ def rope_and_reshape_and_cache_flash(positions, query, key, value, key_cache, va
                          f"(one per token), got shape {tuple(slot_mapping.shape)}")
     kind = cache_kind(key_cache, value_cache, fmt, q.dtype, op_name,
                        f"kv_cache_dtype={kv_cache_dtype!r}")
-    if slot_mapping.shape[0] < num_tokens:  # CUDA-graph padding: no slot for the last tokens
-        padded = slot_mapping.new_full((num_tokens,), -1)
-        padded[:slot_mapping.shape[0]].copy_(slot_mapping)
-        slot_mapping = padded
-    write_cache(op_name, positions, q, k, v, key_cache, value_cache, slot_mapping, kind,
+    write_cache(op_name, positions, q, k, v, key_cache, value_cache,
+                padded_slots(slot_mapping, num_tokens), kind,
                 k_scale, v_scale, cos_sin_cache, is_neox)
+
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                            k_scale, v_scale):
+    """vLLM's ``reshape_and_cache_flash``: write key and value, unrotated, into the flash-layout
+    paged caches, in one launch of :func:`cupyrope.rope_and_cache`.
+
+    Parameters
+    ----------
+    key, value : tensors ``[T, Hk, head_size]``
+        Any token and head strides (slices of a fused QKV projection work); never written.
+    key_cache, value_cache : tensors ``[num_blocks, block_size, Hk, head_size]``
+        vLLM's flash layout by shape, with any strides (unit last stride): an HND cache is the
+        ``[num_blocks, Hk, block_size, head_size]`` storage seen through ``.permute(0, 2, 1, 3)``.
+        key's dtype, or fp8: a torch fp8 dtype or uint8 holding fp8 bits.
+    slot_mapping : int64 (or int32) tensor ``[n]``, ``n <= T``
+        Token ``t < n`` goes to block ``slot // block_size``, row ``slot % block_size``; negative
+        slots are padding and write nothing. Tokens past ``n`` (vLLM V1 pads the batch for CUDA
+        graphs, not the slots) are not cached.
+    kv_cache_dtype : {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}
+        "auto": the caches hold key's dtype and the scales are not used (as in vLLM).
+    k_scale, v_scale : float, or a one-element float32 tensor on key's device
+        fp8 caches store ``fp8(value / scale)``, saturated (vLLM's convention). Per-head scales
+        are not supported.
+
+    Returns None (as vLLM's op).
+
+    Notes
+    -----
+    cupyrope has no op that only writes a cache, so this runs the narrowest one that does,
+    :func:`cupyrope.rope_and_cache`, with an exact identity rotation: a one-row table
+    ``[cos, sin] = [1, 0]`` read at position 0 for the first two dims of each head, and no q
+    heads (a zero-head view of key). ``x * 1 - y * 0`` is ``x`` bit for bit for every finite ``y``,
+    so finite keys are cached exactly as vLLM caches them (and fp8 entries are the same
+    ``fp8(x / scale)``); a key whose dim 0 or 1 is inf or NaN gets NaN in the other of the two
+    (``inf * 0``). The launch also writes a rotated copy of key into a new tensor that is
+    dropped (``T * Hk * head_size`` elements more than vLLM's kernel writes). key and value are
+    never written.
+    """
+    op_name = "reshape_and_cache_flash"
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"{op_name}: kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got "
+                         f"{kv_cache_dtype!r}")
+    for x, name in ((key, "key"), (value, "value")):
+        if require_tensor(x, name, op_name).dim() != 3:
+            raise ValueError(f"{op_name}: {name} must be [num_tokens, num_heads, head_size], got "
+                             f"shape {tuple(x.shape)}")
+    if value.shape != key.shape:
+        raise ValueError(f"{op_name}: value must have key's shape {tuple(key.shape)}, got "
+                         f"{tuple(value.shape)}")
+    if key.shape[2] < 2:
+        raise ValueError(f"{op_name}: head_size must be >= 2, got {key.shape[2]}")
+    require_tensor(slot_mapping, "slot_mapping", op_name)
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] > key.shape[0]:
+        raise ValueError(f"{op_name}: slot_mapping must be 1-d with at most {key.shape[0]} entries "
+                         f"(one per token), got shape {tuple(slot_mapping.shape)}")
+    kind = cache_kind(key_cache, value_cache, KV_CACHE_DTYPES[kv_cache_dtype], key.dtype, op_name,
+                      f"kv_cache_dtype={kv_cache_dtype!r}")
+    scales = {"k_scale": cache_scale(k_scale, "k_scale", op_name),
+              "v_scale": cache_scale(v_scale, "v_scale", op_name)}
+    if kind is None:  # "auto": checked all the same, then not used
+        scales = {}
+    n = slot_mapping.shape[0]
+    k, v = key[:n], value[:n]  # the tokens without a slot are not read at all
+    table, position = identity_rotation(key)
+    rope_and_cache(k[:, :0], k, v, position, key_cache, value_cache, slot_mapping,
+                   cos_sin_cache=table, rotary_dim=2, layout="NHD",
+                   cache_dtype=kind if kind in FP8_DTYPES else None, inplace=False, **scales)
+
+
+def fused_qk_norm_rope_kvcache(qkv, q_out, k_out, num_heads_q, num_heads_k, num_heads_v,
+                               head_dim, eps, q_weight, k_weight, cos_sin_cache, is_neox,
+                               position_ids, key_cache, value_cache, slot_mapping,
+                               forced_token_heads_per_warp=-1):
+    """vLLM's ``fused_qk_norm_rope_kvcache``: :func:`fused_qk_norm_rope` with the
+    ``reshape_and_cache_flash`` write folded in; ``qkv`` is read only.
+
+    Parameters
+    ----------
+    qkv : tensor ``[T, (num_heads_q + num_heads_k + num_heads_v) * head_dim]``
+        float16 or bfloat16 (float32 works too), q heads then k heads then v heads per token;
+        any row stride, unit last stride. Never written.
+    q_out, k_out : tensors ``[T, num_heads_q, head_dim]``, ``[T, num_heads_k, head_dim]``
+        Of qkv's dtype and device, any strides with a unit last dim: they receive
+        ``rope(x * rsqrt(mean(x**2) + eps) * weight)`` of the q and k heads (float32, rounded
+        once), every token included.
+    num_heads_q, num_heads_k, num_heads_v : int
+        ``num_heads_v`` must equal ``num_heads_k`` (the caches hold both with the KV heads).
+    head_dim, eps, q_weight, k_weight, cos_sin_cache, is_neox, position_ids
+        As in :func:`fused_qk_norm_rope`.
+    key_cache, value_cache : tensors ``[num_blocks, block_size, num_heads_k, head_dim]``
+        Of qkv's dtype (vLLM supports ``kv_cache_dtype="auto"`` only), any strides with a unit
+        last dim (vLLM's ``[num_blocks, H, block_size, 2 * head_dim]`` buffer split into
+        transposed key / value views works).
+    slot_mapping : int64 (or int32) tensor ``[n]``, ``n <= T``
+        As in :func:`reshape_and_cache_flash`: normalised, rotated k and the v heads of token
+        ``t < n`` go to slot ``slot_mapping[t]``; negative slots and tokens past ``n`` are not
+        cached (they still get their q_out / k_out rows).
+    forced_token_heads_per_warp : int
+        vLLM's launch-geometry knob; accepted and not used (it does not change results).
+
+    Returns None (as vLLM's op).
+
+    Notes
+    -----
+    One launch of :func:`cupyrope.rope_and_cache` reads qkv, writes the caches and returns
+    the normalised, rotated q and k as new tensors, which are then copied into q_out and k_out
+    (two device copies: cupyrope's fused ops allocate their outputs, where vLLM's kernel
+    writes the given ones). A slot_mapping shorter than T is padded with -1 on the device (two
+    small kernels). Every check runs before anything is written.
+    """
+    op_name = "fused_qk_norm_rope_kvcache"
+    q, k, v = split_qkv(op_name, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, is_neox,
+                        position_ids)
+    count(forced_token_heads_per_warp, "forced_token_heads_per_warp", op_name, minimum=-1)
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"{op_name}: num_heads_v must equal num_heads_k ({k.shape[1]}): the "
+                         f"caches hold k and v with the same heads, got num_heads_v={v.shape[1]}")
+    for out, like, name in ((q_out, q, "q_out"), (k_out, k, "k_out")):
+        require_tensor(out, name, op_name)
+        if out.shape != like.shape or out.dtype != qkv.dtype or out.device != qkv.device:
+            raise ValueError(f"{op_name}: {name} must be a {qkv.dtype} tensor of shape "
+                             f"{tuple(like.shape)} on {qkv.device}, got {out.dtype} "
+                             f"{tuple(out.shape)} on {out.device}")
+    num_tokens = qkv.shape[0]
+    require_tensor(slot_mapping, "slot_mapping", op_name)
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] > num_tokens:
+        raise ValueError(f"{op_name}: slot_mapping must be 1-d with at most {num_tokens} entries "
+                         f"(one per token), got shape {tuple(slot_mapping.shape)}")
+    cache_kind(key_cache, value_cache, None, qkv.dtype, op_name,
+               "kv_cache_dtype='auto' (the one cache format of this vLLM op)")
+    q_new, k_new, _, _ = rope_and_cache(
+        q, k, v, position_ids, key_cache, value_cache, padded_slots(slot_mapping, num_tokens),
+        cos_sin_cache=cos_sin_cache, interleaved=not is_neox, q_weight=q_weight,
+        k_weight=k_weight, eps=eps, layout="NHD", inplace=False)
+    q_out.copy_(q_new)
+    k_out.copy_(k_new)
+
+
+def batched_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rot_dim,
+                             cos_sin_cache_offsets):
+    """vLLM's ``batched_rotary_embedding``: :func:`rotary_embedding` with a per-token offset into
+    a cache that concatenates several tables (one per scaling factor, e.g. multi-LoRA long
+    context), in place.
+
+    Parameters
+    ----------
+    positions : int32 / int64 tensor ``[T]`` (or ``[B, S]``)
+    query, key : tensors as in :func:`rotary_embedding` (key may be None)
+    head_size : int
+    cos_sin_cache : tensor ``[num_rows, rot_dim]``
+        The concatenated tables, cos then sin per row.
+    is_neox : bool
+    rot_dim : int
+        The cache's row width, ``cos_sin_cache.shape[1]`` (vLLM reads rows ``rot_dim`` apart).
+    cos_sin_cache_offsets : int32 / int64 tensor with one entry per token (``positions.numel()``)
+        Token ``t`` reads row ``positions[t] + cos_sin_cache_offsets[t]``.
+
+    Returns None; query and key hold the result.
+
+    Notes
+    -----
+    Since ``positions + offsets`` indexes the concatenated cache exactly as vLLM's kernel does,
+    the rows are computed on the device (one small integer add: no host read, CUDA-graph
+    capturable) and the rotation is one in-place launch of :func:`cupyrope.apply_rope` at those
+    rows. Rows outside the cache give NaN (never read out of bounds). Accuracy against vLLM's
+    bf16 references: see :func:`rotary_embedding`.
+    """
+    op_name = "batched_rotary_embedding"
+    head_size = count(head_size, "head_size", op_name, minimum=1)
+    rot_dim = count(rot_dim, "rot_dim", op_name, minimum=2)
+    check_bool(is_neox, "is_neox", op_name)
+    if require_tensor(cos_sin_cache, "cos_sin_cache", op_name).dim() != 2:
+        raise ValueError(f"{op_name}: cos_sin_cache must be 2-d [num_rows, rot_dim], got shape "
+                         f"{tuple(cos_sin_cache.shape)}")
+    if cos_sin_cache.shape[1] != rot_dim:
+        raise ValueError(f"{op_name}: rot_dim={rot_dim} must be the cache's row width "
+                         f"cos_sin_cache.shape[1] = {cos_sin_cache.shape[1]}")
+    for x, name in ((positions, "positions"), (cos_sin_cache_offsets, "cos_sin_cache_offsets")):
+        if require_tensor(x, name, op_name).dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{op_name}: {name} must be int32 or int64, got {x.dtype}")
+    if cos_sin_cache_offsets.numel() != positions.numel():
+        raise ValueError(f"{op_name}: cos_sin_cache_offsets must have one entry per token "
+                         f"({positions.numel()}), got shape {tuple(cos_sin_cache_offsets.shape)}")
+    if cos_sin_cache_offsets.device != positions.device:
+        raise ValueError(f"{op_name}: cos_sin_cache_offsets is on {cos_sin_cache_offsets.device} "
+                         f"but positions is on {positions.device}")
+    q = heads_view(query, positions, head_size, "query", op_name)
+    k = None if key is None else heads_view(key, positions, head_size, "key", op_name)
+    rows = torch.add(positions, cos_sin_cache_offsets.reshape(positions.shape))
+    apply_rope(q, k, rows, cos_sin_cache=cos_sin_cache, interleaved=not is_neox, inplace=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,6 +394,37 @@ def rotate_in_place(op_name: str, positions, query, key, head_size, cos_sin_cach
             recipes.put(adapter_key, recipe)
 
 
+def split_qkv(op_name: str, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, is_neox,
+              position_ids):
+    """The q, k and v heads of vLLM's fused ``[T, (Hq + Hk + Hv) * head_dim]`` projection, as
+    ``[T, H, head_dim]`` views, after checking the arguments that describe them."""
+    heads = {name: count(value, name, op_name, minimum=1 if name != "num_heads_v" else 0)
+             for name, value in (("num_heads_q", num_heads_q), ("num_heads_k", num_heads_k),
+                                 ("num_heads_v", num_heads_v))}
+    head_dim = count(head_dim, "head_dim", op_name, minimum=1)
+    check_bool(is_neox, "is_neox", op_name)
+    if require_tensor(qkv, "qkv", op_name).dim() != 2:
+        raise ValueError(f"{op_name}: qkv must be 2-d [num_tokens, (num_heads_q + num_heads_k + "
+                         f"num_heads_v) * head_dim], got shape {tuple(qkv.shape)}")
+    width = sum(heads.values()) * head_dim
+    if qkv.shape[1] != width:
+        raise ValueError(f"{op_name}: qkv has {qkv.shape[1]} columns, expected (num_heads_q + "
+                         f"num_heads_k + num_heads_v) * head_dim = {width}")
+    if qkv.stride(1) != 1:
+        raise ValueError(f"{op_name}: qkv's last dim must have stride 1, got strides "
+                         f"{tuple(qkv.stride())}")
+    num_tokens = qkv.shape[0]
+    if tuple(require_tensor(position_ids, "position_ids", op_name).shape) != (num_tokens,):
+        raise ValueError(f"{op_name}: position_ids must have shape ({num_tokens},) (one per row of "
+                         f"qkv), got {tuple(position_ids.shape)}")
+    q_end = heads["num_heads_q"] * head_dim
+    k_end = q_end + heads["num_heads_k"] * head_dim
+    q = qkv[:, :q_end].view(num_tokens, heads["num_heads_q"], head_dim)
+    k = qkv[:, q_end:k_end].view(num_tokens, heads["num_heads_k"], head_dim)
+    v = qkv[:, k_end:].view(num_tokens, heads["num_heads_v"], head_dim)
+    return q, k, v
+
+
 def heads_view(x, positions, head_size: int, name: str, op_name: str):
     """``[..., H * head_size]`` as ``[..., H, head_size]`` (a view: the last dim has stride 1)."""
     require_tensor(x, name, op_name)
@@ -239,6 +452,39 @@ def token_heads_view(x, positions, head_size: int, name: str, op_name: str):
         raise ValueError(f"{op_name}: positions must be 1-d [num_tokens] with a KV cache, got shape "
                          f"{tuple(positions.shape)}")
     return heads_view(x, positions, head_size, name, op_name)
+
+
+def padded_slots(slot_mapping, num_tokens: int):
+    """``slot_mapping`` with -1 appended up to ``num_tokens`` entries (vLLM V1 pads the batch for
+    CUDA graphs, not the slots: the padded tokens are not cached); itself when it is long
+    enough."""
+    if slot_mapping.shape[0] == num_tokens:
+        return slot_mapping
+    padded = slot_mapping.new_full((num_tokens,), -1)
+    padded[:slot_mapping.shape[0]].copy_(slot_mapping)
+    return padded
+
+
+def identity_rotation(like):
+    """``(cos_sin_cache, positions)`` of the identity rotation on ``like``'s device: a one-row
+    table ``[cos, sin] = [1, 0]`` (``rotary_dim=2``) and position 0 for every token (a ``(1,)``
+    tensor that broadcasts). Made once per device and kept; inside a CUDA graph capture a missing
+    pair is made for that graph and not kept (its fill kernels only run when the graph does)."""
+    device = like.device
+    found = _IDENTITY.get(device)
+    if found is not None:
+        return found
+    pair = (torch.eye(1, 2, dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device))
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            if torch.cuda.is_current_stream_capturing():
+                return pair
+    _IDENTITY[device] = pair
+    return pair
+
+
+_IDENTITY: dict = {}
 
 
 def cache_kind(k_cache, v_cache, fmt: str | None, dtype, op_name: str, said: str) -> str | None:

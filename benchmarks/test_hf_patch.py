@@ -1,0 +1,324 @@
+"""Hugging Face models patched by ``cupyrope.compat.patch_hf_model``, end to end (GPU only).
+
+A Llama-8B-width model (hidden 4096, 32 q heads, 8 kv heads, head_dim 128, intermediate 14336)
+and a Qwen3-8B-width one (the same attention, per-head QK-norm: the fused ``rms_norm_rope``
+path, intermediate 12288), each of 2 layers in bfloat16 with random weights from its config (no
+download) and a 32000-token vocabulary, SDPA attention, unpatched then patched:
+
+- ``test_decode_step``: one token per sequence on a KV cache of ``CONTEXT`` tokens (a
+  ``DynamicCache`` cropped back after each step, so every step is the same), B = 1, 8, 64;
+- ``test_prefill_step``: B = 1, T = 512 and 2048, no cache;
+- ``test_rotation_host_time``: host time of one rotation call on decode-sized tensors (B = 8): the
+  call a patched layer makes (``cupyrope.compat.hf`` rewritten forwards, plain and QK-norm fused),
+  the function-level adapter ``hf_apply_rotary_pos_emb``, Hugging Face's own formulation, against
+  ``apply_rope`` in place (target: the patched layer's call within 1.5x of it).
+
+Every model step runs under ``torch.inference_mode()`` with ``logits_to_keep=1`` (as ``generate``
+does); its time is wall time per step from a loop of steps and one ``torch.cuda.synchronize``
+(``synced_wall_clock``), which is what a decode step costs: host and GPU overlap. extra_info:
+``ratio_to_unpatched`` (patched / unpatched median of the same case, same run) and
+``rel_logit_diff`` (max |patched - unpatched| / max |unpatched| of the last logits). A summary
+table follows the run. About 40 s on an H100::
+
+    python -m pytest benchmarks/test_hf_patch.py --benchmark-only -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cupyrope import bench as bm
+
+ROUNDS = 5
+CONTEXT = 128          # tokens already in the KV cache at each decode step
+DECODE_BATCHES = (1, 8, 64)
+PREFILL_TOKENS = (512, 2048)
+HOST_BATCH = 8
+HOST_TARGET = 1.5      # the patched layer's rotation call against apply_rope in place
+
+WIDTH = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+             num_hidden_layers=2, vocab_size=32000, max_position_embeddings=8192)
+MODELS = {
+    "llama-8b-width": ("LlamaForCausalLM", "LlamaConfig", dict(intermediate_size=14336)),
+    "qwen3-8b-width": ("Qwen3ForCausalLM", "Qwen3Config", dict(intermediate_size=12288)),
+}
+
+_MEDIANS: dict = {}   # (model, case) -> unpatched median, µs per step
+_ROWS: list = []      # the summary
+
+
+def build_model(name: str, device="cuda", width=WIDTH):
+    """The 2-layer bfloat16 model ``name`` with random weights, in eval mode on ``device``."""
+    import torch
+    import transformers
+
+    model_class, config_class, extra = MODELS[name]
+    config = getattr(transformers, config_class)(**width, **extra)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, model_class)(config)
+    return model.to(torch.bfloat16).eval()
+
+
+class DecodeStep:
+    """One token per sequence on a KV cache of ``context`` tokens; the cache is cropped back
+    after each step, so that every step attends to the same ``context + 1`` tokens."""
+
+    def __init__(self, model, batch: int, context: int = CONTEXT):
+        import torch
+        import transformers
+
+        device = model.device
+        generator = torch.Generator(device="cpu").manual_seed(batch)
+        prompt = torch.randint(0, model.config.vocab_size, (batch, context), generator=generator)
+        self.token = torch.randint(0, model.config.vocab_size, (batch, 1), generator=generator)
+        self.model, self.token = model, self.token.to(device)
+        self.cache = transformers.DynamicCache()
+        with torch.inference_mode():
+            model(prompt.to(device), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+
+    def __call__(self):
+        import torch
+
+        with torch.inference_mode():
+            logits = self.model(self.token, past_key_values=self.cache, use_cache=True,
+                                logits_to_keep=1).logits
+        self.cache.crop(-1)
+        return logits
+
+
+class PrefillStep:
+    """One forward of ``batch`` sequences of ``tokens`` tokens, no cache."""
+
+    def __init__(self, model, batch: int, tokens: int):
+        import torch
+
+        generator = torch.Generator(device="cpu").manual_seed(tokens)
+        ids = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=generator)
+        self.model, self.ids = model, ids.to(model.device)
+
+    def __call__(self):
+        import torch
+
+        with torch.inference_mode():
+            return self.model(self.ids, use_cache=False, logits_to_keep=1).logits
+
+
+# ---- one model on the GPU at a time (the cases of a model are adjacent) ----------------------
+
+class _Model:
+    name, model = None, None
+
+    @classmethod
+    def get(cls, name: str):
+        if name != cls.name:
+            import torch
+
+            cls.name, cls.model = None, None
+            torch.cuda.empty_cache()
+            cls.model, cls.name = build_model(name), name
+        return cls.model
+
+
+def _time_steps(benchmark, model_name: str, case: str, make_step, iterations: int) -> None:
+    """Time ``make_step(model)`` unpatched (:func:`_median_steps_us`), then patched (through
+    pytest-benchmark, which records it), each as ``iterations`` steps and one synchronise."""
+    import torch
+
+    from cupyrope import compat
+
+    model = _Model.get(model_name)
+    step = make_step(model)
+    benchmark.group = f"{model_name}: {case}"
+    results = {}
+    for patched in (False, True):
+        patch = compat.patch_hf_model(model) if patched else None
+        try:
+            for _ in range(3):  # kernels compiled, allocator warm
+                step()
+            torch.cuda.synchronize()
+            results[patched] = step().float()
+            if patched:
+                benchmark.pedantic(step, rounds=ROUNDS, iterations=iterations, warmup_rounds=1)
+                fused = sum(op == "rms_norm_rope" for op in patch.layers.values())
+            else:
+                _MEDIANS[(model_name, case)] = _median_steps_us(step, iterations)
+        finally:
+            if patch is not None:
+                patch.restore()
+    stats = getattr(benchmark, "stats", None)
+    if stats is None:  # --benchmark-disable
+        return
+    patched_us = stats.stats.median * 1e6
+    unpatched_us = _MEDIANS[(model_name, case)]
+    scale = results[False].abs().max().item()
+    diff = (results[True] - results[False]).abs().max().item() / scale
+    benchmark.extra_info.update(model=model_name, case=case, gpu=bm.device_name(),
+                                patched_us=round(patched_us, 1),
+                                unpatched_us=round(unpatched_us, 1),
+                                ratio_to_unpatched=round(patched_us / unpatched_us, 3),
+                                fused_layers=fused, rel_logit_diff=float(f"{diff:.3g}"))
+    _ROWS.append((model_name, case, unpatched_us, patched_us, diff))
+
+
+def _median_steps_us(step, iterations: int) -> float:
+    """Median over ROUNDS of (``iterations`` steps + one synchronise) / iterations, in µs: the
+    unpatched side, timed as pytest-benchmark times the patched one."""
+    import statistics
+
+    samples = []
+    for _ in range(ROUNDS + 1):  # the first is the warm-up round, as pedantic's
+        start = bm.synced_wall_clock()
+        for _ in range(iterations):
+            step()
+        samples.append((bm.synced_wall_clock() - start) / iterations * 1e6)
+    return statistics.median(samples[1:])
+
+
+@pytest.mark.benchmark(timer=bm.synced_wall_clock)
+@pytest.mark.parametrize("batch", DECODE_BATCHES, ids=lambda b: f"B{b}")
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_decode_step(benchmark, model_name, batch):
+    _time_steps(benchmark, model_name, f"decode B={batch}, context {CONTEXT}",
+                lambda model: DecodeStep(model, batch), iterations=20)
+
+
+@pytest.mark.benchmark(timer=bm.synced_wall_clock)
+@pytest.mark.parametrize("tokens", PREFILL_TOKENS, ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_prefill_step(benchmark, model_name, tokens):
+    _time_steps(benchmark, model_name, f"prefill B=1, T={tokens}",
+                lambda model: PrefillStep(model, 1, tokens), iterations=5)
+
+
+# ---- host time of one rotation call ---------------------------------------------------------
+
+HOST_IMPLS = ("apply_rope-inplace", "apply_rope", "patched-layer", "patched-layer-qk-norm",
+              "rms_norm_rope-inplace", "hf_apply_rotary_pos_emb", "transformers",
+              "llama-attention", "llama-attention-patched", "qwen3-attention",
+              "qwen3-attention-patched")
+
+
+def rotation_calls(device="cuda", batch: int = HOST_BATCH, width=WIDTH):
+    """impl -> a no-argument call on decode-sized q ``[B, 1, 32, 128]`` and k ``[B, 1, 8, 128]``
+    bfloat16 with Hugging Face's ``[B, 1, 128]`` bfloat16 tables, each as its caller makes it:
+    the rotation a patched layer calls (``patched-layer``: Llama's; ``patched-layer-qk-norm``:
+    Qwen3's fused one), the function-level adapter, Hugging Face's own function, cupyrope's ops
+    called directly; and whole one-token attention layers (B of them) at the models' width,
+    unpatched and patched."""
+    import torch
+    import transformers
+    from transformers.models.llama import modeling_llama
+
+    import cupyrope as cr
+    from cupyrope.compat import hf
+
+    dims = dict(dtype=torch.bfloat16, device=device)
+    heads, kv_heads, head_dim = (width[n] for n in ("num_attention_heads", "num_key_value_heads",
+                                                     "head_dim"))
+    q = torch.randn(batch, 1, heads, head_dim, **dims)
+    k = torch.randn(batch, 1, kv_heads, head_dim, **dims)
+    angles = torch.rand(batch, 1, head_dim // 2, device=device, dtype=torch.float64) * 100
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    q_heads_first, k_heads_first = q.transpose(1, 2), k.transpose(1, 2)
+    hidden = torch.randn(batch, 1, width["hidden_size"], **dims)
+    calls = {
+        "apply_rope-inplace": lambda: cr.apply_rope(q, k, cos=cos, sin=sin, inplace=True),
+        "apply_rope": lambda: cr.apply_rope(q, k, cos=cos, sin=sin),
+        "patched-layer": lambda: hf._rotate_heads_last(None, q, k, cos, sin),
+        "hf_apply_rotary_pos_emb": lambda: hf.hf_apply_rotary_pos_emb(q_heads_first,
+                                                                      k_heads_first, cos, sin),
+        "transformers": lambda: modeling_llama.apply_rotary_pos_emb(q_heads_first, k_heads_first,
+                                                                    cos, sin),
+    }
+    small = dict(width, num_hidden_layers=1, vocab_size=64)
+    for name in MODELS:
+        model = build_model(name, device, width=small)
+        with hf.patch_hf_model(model) as patch:  # finds the norms' form, compiles the kernels
+            layer = model.model.layers[0].self_attn
+            patched_forward = layer.forward
+            ops = set(patch.layers.values())
+        family = name.split("-")[0]
+
+        def attention(forward=layer.forward, layer=layer):
+            return forward(hidden, position_embeddings=(cos, sin), attention_mask=None)
+
+        def attention_patched(forward=patched_forward):
+            return forward(hidden, position_embeddings=(cos, sin), attention_mask=None)
+
+        calls[f"{family}-attention"] = attention
+        calls[f"{family}-attention-patched"] = attention_patched
+        if ops == {"rms_norm_rope"}:
+            rotate = hf._norm_rotation("q_norm", "k_norm", False, hf.hf_apply_rotary_pos_emb)
+
+            def fused(rotate=rotate, layer=layer):
+                return rotate(layer, q, k, cos, sin)
+
+            def fused_op(weight=layer.q_norm.weight.detach()):
+                return cr.rms_norm_rope(q, k, weight, weight, eps=1e-6, cos=cos, sin=sin,
+                                        inplace=True)
+
+            calls["patched-layer-qk-norm"], calls["rms_norm_rope-inplace"] = fused, fused_op
+    return calls
+
+
+_HOST_US: dict = {}
+
+
+@pytest.fixture(scope="module")
+def host_calls():
+    return rotation_calls()
+
+
+@pytest.mark.benchmark(timer=bm.synced_wall_clock)
+@pytest.mark.parametrize("impl", HOST_IMPLS)
+def test_rotation_host_time(benchmark, host_calls, impl):
+    import torch
+
+    call = host_calls[impl]
+    with torch.no_grad():
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        benchmark.group = f"host time per rotation call (loop of {bm.HOST_LOOP}): B={HOST_BATCH}"
+        benchmark.pedantic(call, rounds=ROUNDS, iterations=bm.HOST_LOOP, warmup_rounds=1)
+    stats = getattr(benchmark, "stats", None)
+    if stats is None:
+        return
+    _HOST_US[impl] = us = stats.stats.median * 1e6
+    base = _HOST_US.get("apply_rope-inplace")
+    info = dict(impl=impl, host_us=round(us, 2), gpu=bm.device_name())
+    if base:
+        info["ratio_to_apply_rope_inplace"] = round(us / base, 3)
+        if impl.startswith("patched-layer"):
+            info["target_ratio"] = HOST_TARGET
+            info["meets_target"] = us / base <= HOST_TARGET
+    benchmark.extra_info.update(info)
+    _ROWS.append(("host", impl, base, us, None))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _summary(request):
+    yield
+    if not _ROWS:
+        return
+    lines = ["", f"Hugging Face models patched by cupyrope ({bm.device_name()}): "
+                 "wall time per step"]
+    lines.append(f"{'model':16} {'case':28} {'unpatched':>10} {'patched':>10} {'ratio':>7} "
+                 f"{'rel diff':>9}")
+    for model, case, base, us, diff in _ROWS:
+        if model == "host":
+            continue
+        lines.append(f"{model:16} {case:28} {base / 1e3:>8.3f}ms {us / 1e3:>8.3f}ms "
+                     f"{us / base:>7.3f} {diff:>9.2g}")
+    lines.append(f"host time per rotation call, B={HOST_BATCH} decode "
+                 f"(ratio to apply_rope in place; target for the patched layer <= {HOST_TARGET})")
+    for model, impl, base, us, _ in _ROWS:
+        if model == "host":
+            ratio = f"{us / base:.2f}x" if base else ""
+            lines.append(f"  {impl:26} {us:>8.2f} µs {ratio:>8}")
+    reporter = request.config.pluginmanager.getplugin("terminalreporter")
+    for line in lines:
+        (reporter.write_line if reporter else print)(line)
