@@ -9,6 +9,7 @@ take a vectorised NumPy path with the same semantics.
 """
 
 from .api import apply_rope, rms_norm_rope, rope_and_cache
+from .api import rerotate_cache
 from .core.frequencies import cos_sin_cache, rope_frequencies
 from .core.abi import AngleSource
 from .warmup import warmup
@@ -50,6 +51,7 @@ __all__ = [
     "apply_rope",
     "rms_norm_rope",
     "rope_and_cache",
+    "rerotate_cache",
     "clear_cache",
     "context_parallel_positions",
     "cos_sin_cache",

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import execute
+from .core.arrays import describe, new_output
+from .core.fused_plan import PER_HEAD
 
 # Any array cupyrope takes: CuPy, torch, JAX, NumPy or another DLPack producer.
 Array = Any
@@ -32,8 +34,9 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
     ----------
     q : array, shape ``(..., num_q_heads, head_dim)``
         float16, bfloat16, float32 or float64; CuPy, torch (CUDA or CPU), JAX, NumPy or any DLPack
-        producer. Only the last dim needs stride 1: q may be a view into a fused QKV buffer, have
-        padded heads, or be a ``[B, S, H, D]`` transpose of ``[B, H, S, D]`` storage.
+        producer. Any strides: q may be a view into a fused QKV buffer, have padded heads, or be a
+        ``[B, S, H, D]`` transpose of ``[B, H, S, D]`` storage; heads whose last dim has a stride
+        other than 1 take the general (scalar) kernel.
     k : array, shape ``(..., num_k_heads, head_dim)``, optional
         Same leading (token) dims and dtype as q; any number of heads (GQA, MQA).
     positions : int32 or int64 array, optional
@@ -74,8 +77,13 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
         Quantise the rotated q and k (and their pass-through dims) in the same pass:
         ``fp8(value / scale)``, saturated to the format's largest finite value. Out of place only;
         CuPy, which has no fp8 dtype, gets the bits as uint8. Needs compute capability 8.9+.
-    q_scale, k_scale : float or one-element float32 array, optional
-        The fp8 scales (vLLM convention: stored = value / scale); default 1.
+    q_scale, k_scale : float, one-element float32 array, "per_head" or float32 array, optional
+        The fp8 scales (vLLM convention: stored = value / scale); default 1. One per tensor (a
+        number or a 0-d / one-element array), or one per (token, head) row computed by the call
+        from the row's amax (``scale = amax / the format's largest value``, at least 2^-126):
+        ``"per_head"`` returns new float32 arrays of shape ``q.shape[:-1]`` / ``k.shape[:-1]``
+        after the outputs, a float32 C-contiguous array of that shape is filled instead. Every
+        scale of a call is per tensor, or every one per row.
     out : array, or (array, array) when k is given, optional
         Preallocated outputs (CUDA graphs, buffers reused across steps): q_out (and k_out) of
         q's (k's) array type, shape, dtype and device, any strides with a unit last dim, sharing
@@ -86,7 +94,8 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
     -------
     q_out, or (q_out, k_out) when k is given
         Arrays of q's type on q's device: for pair ``(x1, x2)`` at angle ``a``,
-        ``(x1 cos a - x2 sin a, x2 cos a + x1 sin a)``.
+        ``(x1 cos a - x2 sin a, x2 cos a + x1 sin a)``. Then, for ``q_scale`` / ``k_scale``
+        ``"per_head"``, the new per-row scale arrays (q's, then k's).
 
     Notes
     -----
@@ -108,12 +117,13 @@ def apply_rope(q: Array, k: Array | None = None, positions: Array | None = None,
         if out is not None:
             raise ValueError("apply_rope: out= is not supported with fp8 outputs (out_dtype, "
                              "q_scale, k_scale): use the returned arrays")
-        return execute.run_fused(
+        fusion = dict(out_dtype=out_dtype, q_scale=q_scale, k_scale=k_scale)
+        made = _new_row_scales(fusion, q, k)
+        return _with_row_scales(execute.run_fused(
             "apply_rope", q, k, positions,
             rope=_rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
                            inverse, inplace, seq_len),
-            fusion=dict(out_dtype=out_dtype, q_scale=q_scale, k_scale=k_scale),
-            validate=validate, router=_fused_route)
+            fusion=fusion, validate=validate, router=_fused_route), made)
     if _compiling():  # torch.compile / export tracing: the traceable custom op
         return _torch_ops().apply_rope(
             q, k, positions, cos_sin_cache=cos_sin_cache, cos=cos, sin=sin, theta=theta,
@@ -175,6 +185,44 @@ def _rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_d
                 seq_len=seq_len)
 
 
+def _new_row_scales(fusion: dict, q, k) -> list:
+    """Replace ``q_scale`` / ``k_scale`` = ``"per_head"`` by new float32 arrays of shape
+    ``q.shape[:-1]`` / ``k.shape[:-1]`` (the call fills them); returns them, to be returned after
+    the outputs. A "per_head" that cannot be made here (JAX, no token dim) is left for the checks
+    to refuse with what to pass instead."""
+    made = []
+    for name, x in (("q_scale", q), ("k_scale", k)):
+        value = fusion.get(name)
+        if isinstance(value, str) and value == PER_HEAD:
+            scales = _new_row_scales_like(x)
+            if scales is not None:
+                fusion[name] = scales
+                made.append(scales)
+    return made
+
+
+def _new_row_scales_like(x):
+    """A new float32 array of shape ``x.shape[:-1]``, of x's type and on its device (torch, CuPy
+    or NumPy, with a token dim); None otherwise."""
+    if x is None or len(getattr(x, "shape", ())) < 3:
+        return None
+    shape = tuple(x.shape[:-1])
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.new_empty(shape, dtype=torch.float32)
+    if type(x).__module__.split(".", 1)[0] not in ("numpy", "cupy"):
+        return None  # JAX (immutable, traced) or another producer
+    info = describe(x, "q")
+    return new_output(x, info.kind, info.device, shape, "float32")
+
+
+def _with_row_scales(result, made: list):
+    """A fused call's result, then the per-row scale arrays that ``"per_head"`` made."""
+    if not made:
+        return result
+    return (*result, *made) if isinstance(result, tuple) else (result, *made)
+
+
 def _fused_route(op_name, q, k, positions, rope, fusion):
     """The module whose ``run_fused`` must take a fused call, or None for the array path: calls
     traced by torch.compile, torch tensors that require grad and DTensors go to
@@ -223,11 +271,13 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
         0 for ``weight * x`` (Qwen3, OLMo 2), 1 for Gemma's ``(1 + weight) * x``.
     positions, cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim, inverse, inplace,
     validate, seq_len, out_dtype, q_scale, k_scale
-        As in :func:`apply_rope`. Dims past ``rotary_dim`` are normalised too.
+        As in :func:`apply_rope`. Dims past ``rotary_dim`` are normalised too; per-row fp8
+        scales take the amax of the normalised, rotated row.
 
     Returns
     -------
-    q_out, or (q_out, k_out) when k is given
+    q_out, or (q_out, k_out) when k is given; then the per-row scale arrays that
+    ``"per_head"`` made (q's, then k's)
 
     Examples
     --------
@@ -240,14 +290,15 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
     >>> bool(np.allclose(np.sqrt((q2 ** 2).mean(-1)), 1, atol=1e-4))
     True
     """
-    return execute.run_fused(
+    fusion = dict(norm=True, q_weight=q_weight, k_weight=k_weight, eps=eps,
+                  weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
+                  k_scale=k_scale)
+    made = _new_row_scales(fusion, q, k)
+    return _with_row_scales(execute.run_fused(
         "rms_norm_rope", q, k, positions,
         rope=_rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
                            inverse, inplace, seq_len),
-        fusion=dict(norm=True, q_weight=q_weight, k_weight=k_weight, eps=eps,
-                    weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
-                    k_scale=k_scale),
-        validate=validate, router=_fused_route)
+        fusion=fusion, validate=validate, router=_fused_route), made)
 
 
 def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cache: Array,
@@ -258,7 +309,8 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
                    v_scale: Any = None, cache_dtype: Any = None, q_weight: Array | None = None,
                    k_weight: Array | None = None, eps: float | None = None,
                    weight_offset: float = 0.0, out_dtype: Any = None, q_scale: Any = None,
-                   inplace: bool = True, validate: bool = False, seq_len: int | None = None):
+                   inplace: bool = True, validate: bool = False, seq_len: int | None = None,
+                   k_cache_scales: Array | None = None, v_cache_scales: Array | None = None):
     """Rotate q and k and write the rotated k and v into a paged KV cache, in one launch
     (optionally after QK-RMSNorm and with fp8 outputs).
 
@@ -273,21 +325,33 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
         is SGLang's token-slot cache); ``"HND"``: ``(num_blocks, Hk, block_size, D)``. Any
         strides with a unit last dim: two views of one ``(num_blocks, 2, ...)`` buffer work. The
         dtype of q, or fp8 (``float8_e4m3fn`` / ``float8_e5m2``; uint8 bits with
-        ``cache_dtype``).
+        ``cache_dtype``), or NVFP4 (``cache_dtype="nvfp4"``: uint8 of last dim ``D // 2``, two
+        e2m1 values a byte, the even one in the low nibble; TensorRT-LLM's and FlashInfer's
+        layout).
     slot_mapping : int64 or int32 array, shape ``(T,)``
         Token t goes to block ``slot // block_size``, row ``slot % block_size``. Negative slots
         (padding) write nothing; slots past the cache are skipped too (``validate=True`` raises
         IndexError for them instead). Slots must be distinct: ``validate=True`` raises
         ValueError for a slot given to two tokens; without it nothing is checked, the NumPy
         path keeps the last token's row and on the GPU which token's row lands is unspecified.
-    k_scale, v_scale : float or one-element float32 array
+    k_scale, v_scale : float, one-element float32 array or float32 array
         fp8 scales of the caches (stored = value / scale); ``k_scale`` also scales an fp8 k_out.
+        Per (slot, head) row instead: float32 arrays of shape ``(num_blocks, block_size, Hk)``
+        (NHD) or ``(num_blocks, Hk, block_size)`` (HND) beside the caches, which the call fills
+        with each written row's ``amax / the format's largest value`` (at least 2^-126); with
+        fp8 outputs and a cache of q's dtype, ``q_scale`` / ``k_scale`` of shape ``(T, H)`` take
+        the outputs' rows instead. NVFP4 caches: the global scales (one per tensor; a reader
+        dequantises ``e2m1 * block_scale * global``).
     q_weight, k_weight, eps, weight_offset
         QK-RMSNorm before the rotation, as :func:`rms_norm_rope` (when weights are given).
     out_dtype, q_scale
         fp8 q/k outputs, as :func:`apply_rope` (then ``inplace=False``).
     inplace : bool
         True (vLLM's convention): q and k are rotated in place.
+    k_cache_scales, v_cache_scales : arrays, optional
+        NVFP4 caches only: their e4m3 block scales, one per 16 values of a row, uint8 or
+        float8_e4m3fn of shape ``(num_blocks, block_size, Hk, D // 16)`` (NHD) or
+        ``(num_blocks, Hk, block_size, D // 16)`` (HND), written in place with the caches.
 
     Returns
     -------
@@ -295,13 +359,104 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
         The caches are the arrays given, written in place.
     """
     norm = q_weight is not None or k_weight is not None
+    fusion = dict(norm=norm, q_weight=q_weight, k_weight=k_weight, eps=eps,
+                  weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
+                  k_scale=k_scale, v=v, k_cache=k_cache, v_cache=v_cache,
+                  slot_mapping=slot_mapping, layout=layout, v_scale=v_scale,
+                  cache_dtype=cache_dtype)
+    if k_cache_scales is not None or v_cache_scales is not None:  # NVFP4 caches only
+        fusion.update(k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
     return execute.run_fused(
         "rope_and_cache", q, k, positions,
         rope=_rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
                            False, inplace, seq_len),
-        fusion=dict(norm=norm, q_weight=q_weight, k_weight=k_weight, eps=eps,
-                    weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
-                    k_scale=k_scale, v=v, k_cache=k_cache, v_cache=v_cache,
-                    slot_mapping=slot_mapping, layout=layout, v_scale=v_scale,
-                    cache_dtype=cache_dtype),
-        validate=validate, router=_fused_route)
+        fusion=fusion, validate=validate, router=_fused_route)
+
+
+def rerotate_cache(k_cache: Array, slots: Array, delta: Array | int, *,
+                   cos_sin_cache: Array | None = None, theta: float = 10000.0,
+                   scaling: Mapping[str, Any] | None = None, interleaved: bool = False,
+                   rotary_dim: int | None = None, layout: str = "NHD", k_scale: Any = None,
+                   cache_dtype: Any = None, validate: bool = False,
+                   seq_len: int | None = None) -> Array:
+    """Re-rotate cached keys in place: each named slot's row is rotated by the angle of its
+    position delta (sliding-window eviction, attention sinks: a key cached at position ``p``
+    becomes the key at ``p + delta``, since rotations compose exactly: R(d) R(p) = R(p + d)).
+
+    One kernel launch on the GPU (the NumPy path on the CPU); dims past ``rotary_dim`` are not
+    touched; each re-rotated element is rounded once to the cache's format.
+
+    Parameters
+    ----------
+    k_cache : array
+        The paged key cache that :func:`rope_and_cache` writes: ``layout="NHD"``: ``(num_blocks,
+        block_size, num_kv_heads, head_dim)``; ``"HND"``: ``(num_blocks, num_kv_heads, block_size,
+        head_dim)``. float16, bfloat16, float32 or fp8 (``float8_e4m3fn`` / ``float8_e5m2``; uint8
+        bits with ``cache_dtype``); any strides with a unit last dim. Written in place (JAX
+        arrays: a new cache is returned).
+    slots : int32 or int64 array, shape ``(N,)``
+        The slots to re-rotate, ``block * block_size + row`` as ``rope_and_cache``'s
+        ``slot_mapping``. Negative slots are skipped; slots past the cache are skipped too
+        (``validate=True`` raises IndexError). Slots must be distinct: ``validate=True`` raises
+        ValueError for a slot named twice; without it one rotation of that row lands (which one
+        is unspecified on the GPU).
+    delta : int, or int32 / int64 array of shape ``(N,)`` (or one element)
+        The position shift of each slot; an int shifts every slot (it is passed by value: a
+        CUDA graph replays it, where an array is read at every replay). Any int64 with computed
+        angles, negative ones included (exact backward rotations). With a ``cos_sin_cache`` the
+        delta is its row, so it must lie in ``[0, max_position)``: an int outside raises
+        IndexError; array values are checked with ``validate=True``, else a row outside the
+        table is never read and its slot's rotated dims become NaN.
+    cos_sin_cache : array, shape ``(max_position, rotary_dim)``, optional
+        The vLLM / FlashInfer table (cos half, then sin half), row ``delta``; None computes the
+        angles ``delta * inv_freq`` in the kernel (float64 or float-float, as ``apply_rope``).
+        The keys already carry a schedule's attention factor (mscale): the re-rotation is by
+        the angle alone (computed angles leave the factor out, a table's entries are divided
+        by the factor its row 0, position 0, holds).
+    theta, scaling, seq_len
+        The schedule of computed angles, as :func:`apply_rope` (not with a table; no M-RoPE).
+    interleaved, rotary_dim
+        As :func:`apply_rope`: the cache's pairing and rotated dims.
+    layout : {"NHD", "HND"}
+        The cache layout, as :func:`rope_and_cache`.
+    k_scale : float or one-element float32 array, optional
+        fp8 caches: the scale (stored = value / k_scale); rows are decoded, rotated and stored
+        again with it. Default 1.
+    cache_dtype : {None, "float8_e4m3fn", "float8_e5m2"}
+        The fp8 format of a uint8 cache.
+    validate : bool
+        Read slots (and deltas with a table) on the host and raise for values out of range or
+        repeated slots (this synchronises).
+
+    Returns
+    -------
+    k_cache
+        The cache given, re-rotated in place (JAX: the new cache).
+
+    Examples
+    --------
+    >>> import numpy as np, cupyrope as cr
+    >>> k = np.random.default_rng(0).standard_normal((6, 1, 2, 64)).astype(np.float32)
+    >>> positions = np.arange(6)
+    >>> k_cache = cr.apply_rope(k.reshape(6, 2, 64), positions=positions).reshape(6, 1, 2, 64)
+    >>> _ = cr.rerotate_cache(k_cache, np.arange(6), -2)        # every key two positions back
+    >>> expected = cr.apply_rope(k.reshape(6, 2, 64), positions=positions - 2)
+    >>> bool(np.allclose(k_cache.reshape(6, 2, 64), expected, atol=1e-5))
+    True
+    """
+    options = dict(cos_sin_cache=cos_sin_cache, theta=theta, scaling=scaling,
+                   interleaved=interleaved, rotary_dim=rotary_dim, layout=layout, k_scale=k_scale,
+                   cache_dtype=cache_dtype, validate=validate, seq_len=seq_len)
+    arrays = (k_cache, slots, delta, cos_sin_cache, k_scale)
+    if _compiling() or ("torch" in sys.modules
+                        and (_torch_ops().needs_autograd(k_cache)
+                             or _torch_ops().is_distributed(*arrays))):
+        return _torch_ops().rerotate_cache(k_cache, slots, delta, **options)
+    if "jax" in sys.modules:
+        from .frontends.jax import ops as jax_ops
+
+        if jax_ops.is_rerotate_on_jax(*arrays):
+            return jax_ops.rerotate_cache(k_cache, slots, delta, **options)
+    from .cuda.launch import run_rerotate
+
+    return run_rerotate(k_cache, slots, delta, **options)

@@ -203,7 +203,9 @@ def te_positions(t: Any, tensor_format: str = "sbhd", *, cu_seqlens: Any = None,
         Cumulative sequence lengths of the packed batch; with ``cp_size > 1`` those of the whole
         (padded) sequences, as TransformerEngine takes them.
     start_positions : int array ``(b,)``, optional
-        First position of each sequence (inference with a KV cache); not with ``cp_size > 1``.
+        First position of each sequence (inference with a KV cache); with ``cp_size > 1`` it is
+        added to the load-balanced position in the whole sequence, as TransformerEngine's kernel
+        does.
     cp_size, cp_rank : int
         Context parallelism: the load-balanced split of :func:`context_parallel_positions`.
 
@@ -227,9 +229,6 @@ def te_positions(t: Any, tensor_format: str = "sbhd", *, cu_seqlens: Any = None,
     if tensor_format not in TE_FORMATS:
         raise ValueError(f"{op_name}: tensor_format must be one of {TE_FORMATS}, got {tensor_format!r}")
     cp_size, cp_rank = _check_cp(cp_size, cp_rank, op_name)
-    if cp_size > 1 and start_positions is not None:
-        raise ValueError(f"{op_name}: start_positions cannot be combined with cp_size > 1 "
-                         "(as in TransformerEngine)")
     shape = describe(t, "t").shape
     needed = 3 if tensor_format == "thd" else 4
     if len(shape) != needed:

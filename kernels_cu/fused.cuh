@@ -12,6 +12,7 @@
 
 #include "angles.cuh"
 #include "numeric.cuh"
+#include "quantize.cuh"
 #include "rope_params.cuh"
 #include "rotation.cuh"
 #include "thread_index.cuh"
@@ -215,15 +216,14 @@ __device__ __forceinline__ void chunk_from_slot(HeadChunk<T, P, true, INTERLEAVE
   }
 }
 
-// Rotate one chunk of pairs (already loaded) and store it to the head's targets.
+// The rotated values of one chunk of pairs (already loaded): y1 at the first dims of the pairs,
+// y2 at the second.
 template <typename T, int P, bool VECTOR, bool INTERLEAVED, typename Index>
-__device__ __forceinline__ void rotate_chunk_to(const FusionParams& f,
-                                                const HeadChunk<T, P, VECTOR, INTERLEAVED>& chunk,
-                                                Index pair0, Index half, const float (&cos_v)[P],
-                                                const float (&sin_v)[P], float sin_sign,
-                                                const HeadNorm& norm, const HeadTargets<Index>& t,
-                                                float k_cache_inv_scale) {
-  float y1[P], y2[P];
+__device__ __forceinline__ void rotated_chunk(const HeadChunk<T, P, VECTOR, INTERLEAVED>& chunk,
+                                              Index pair0, Index half, const float (&cos_v)[P],
+                                              const float (&sin_v)[P], float sin_sign,
+                                              const HeadNorm& norm, float (&y1)[P],
+                                              float (&y2)[P]) {
 #pragma unroll
   for (int i = 0; i < P; ++i) {
     const Index d1 = INTERLEAVED ? 2 * (pair0 + i) : pair0 + i;
@@ -233,6 +233,16 @@ __device__ __forceinline__ void rotate_chunk_to(const FusionParams& f,
                      norm.at(d2);
     rotate_pair(x1, x2, cos_v[i], sin_v[i], sin_sign, y1[i], y2[i]);
   }
+}
+
+// Store a rotated chunk to the head's output row (`to_out`) and k cache row (`to_cache`, when the
+// head has one).
+template <typename T, int P, bool VECTOR, bool INTERLEAVED, typename Index>
+__device__ __forceinline__ void store_rotated(const FusionParams& f, const float (&y1)[P],
+                                              const float (&y2)[P], Index pair0, Index half,
+                                              const HeadTargets<Index>& t,
+                                              float k_cache_inv_scale, bool to_out,
+                                              bool to_cache) {
   if constexpr (INTERLEAVED) {
     float y[2 * P];
 #pragma unroll
@@ -240,21 +250,40 @@ __device__ __forceinline__ void rotate_chunk_to(const FusionParams& f,
       y[2 * i] = y1[i];
       y[2 * i + 1] = y2[i];
     }
-    store_values<T, VECTOR>(t.out, t.out_offset + 2 * pair0, y, f.out_format, t.out_inv_scale);
-    if (t.cache_offset >= 0) {
+    if (to_out) {
+      store_values<T, VECTOR>(t.out, t.out_offset + 2 * pair0, y, f.out_format, t.out_inv_scale);
+    }
+    if (to_cache && t.cache_offset >= 0) {
       store_values<T, VECTOR>(f.k_cache, t.cache_offset + 2 * pair0, y, f.cache_format,
                               k_cache_inv_scale);
     }
   } else {
-    store_values<T, VECTOR>(t.out, t.out_offset + pair0, y1, f.out_format, t.out_inv_scale);
-    store_values<T, VECTOR>(t.out, t.out_offset + half + pair0, y2, f.out_format, t.out_inv_scale);
-    if (t.cache_offset >= 0) {
+    if (to_out) {
+      store_values<T, VECTOR>(t.out, t.out_offset + pair0, y1, f.out_format, t.out_inv_scale);
+      store_values<T, VECTOR>(t.out, t.out_offset + half + pair0, y2, f.out_format,
+                              t.out_inv_scale);
+    }
+    if (to_cache && t.cache_offset >= 0) {
       store_values<T, VECTOR>(f.k_cache, t.cache_offset + pair0, y1, f.cache_format,
                               k_cache_inv_scale);
       store_values<T, VECTOR>(f.k_cache, t.cache_offset + half + pair0, y2, f.cache_format,
                               k_cache_inv_scale);
     }
   }
+}
+
+// Rotate one chunk of pairs (already loaded) and store it to the head's targets.
+template <typename T, int P, bool VECTOR, bool INTERLEAVED, typename Index>
+__device__ __forceinline__ void rotate_chunk_to(const FusionParams& f,
+                                                const HeadChunk<T, P, VECTOR, INTERLEAVED>& chunk,
+                                                Index pair0, Index half, const float (&cos_v)[P],
+                                                const float (&sin_v)[P], float sin_sign,
+                                                const HeadNorm& norm, const HeadTargets<Index>& t,
+                                                float k_cache_inv_scale) {
+  float y1[P], y2[P];
+  rotated_chunk(chunk, pair0, half, cos_v, sin_v, sin_sign, norm, y1, y2);
+  store_rotated<T, P, VECTOR, INTERLEAVED>(f, y1, y2, pair0, half, t, k_cache_inv_scale, true,
+                                           true);
 }
 
 // A token's cache slot split once into its block and its row in the block (vLLM's slot_mapping):
@@ -276,12 +305,202 @@ __device__ __forceinline__ SlotRows slot_rows(const FusionParams& f, long long t
           block * f.v_cache_block_stride + row * f.v_cache_slot_stride};
 }
 
+// The rows of a token's slot in the caches' scale arrays (per-row fp8 scales, NVFP4 block
+// scales), as slot_rows: < 0 where the token writes no cache row or the caches have no scales.
+// Read again where a row is finished rather than kept in registers through the token.
+__device__ __forceinline__ SlotRows slot_scale_rows(const FusionParams& f, long long token) {
+  if (f.k_cache == nullptr || f.k_cache_scales == nullptr) return {-1, -1};
+  const long long at = token * f.slot_stride;
+  const long long slot = f.slots_are_int64 ? static_cast<const long long*>(f.slot_mapping)[at]
+                                           : static_cast<const int*>(f.slot_mapping)[at];
+  if (slot < 0 || slot >= f.num_slots) return {-1, -1};
+  const long long block = slot / f.block_size, row = slot - block * f.block_size;
+  return {block * f.k_cache_scales_block_stride + row * f.k_cache_scales_slot_stride,
+          block * f.v_cache_scales_block_stride + row * f.v_cache_scales_slot_stride};
+}
+
 // The per-head state of one token shared by every head a thread visits.
 template <typename Index>
 struct TokenState {
   TokenOffsets<Index> o;
   SlotRows slot;
 };
+
+// ------------------------------------------------------------------------------------------------
+// Stores quantised per row (quantize.cuh): the head's values are gathered in a row buffer in
+// shared memory (each lane writes the dims it computes), then the lanes of the head find the
+// row's amax (fp8 per row) or each block's (NVFP4) and store. The other targets of the head are
+// stored directly, as without.
+
+// One row store: fp8 `format` with a scale of its own (written to `scales`, a float), or NVFP4
+// (`scales`: the row's first e4m3 block scale byte; `global`: the tensor's scale).
+struct RowStore {
+  void* base;          // null: this target is not quantised per row
+  long long offset;    // the row's first element (fp8) or byte (NVFP4) in `base`
+  long long format;
+  void* scales;
+  float global, inv_global;
+};
+
+struct RowStores {
+  RowStore out, cache;
+  __device__ __forceinline__ bool any() const { return out.base != nullptr || cache.base != nullptr; }
+};
+
+// The tensor's scale itself (NVFP4's global scale), from the device or the value.
+__device__ __forceinline__ float scale_of(const float* device_scale, double value) {
+  return device_scale != nullptr ? *device_scale : static_cast<float>(value);
+}
+
+// Which targets of a q or k head are quantised per row (bits kRowOut, kRowCache): its output,
+// when the launch writes per-row output scales; its k cache row, when the cache has scales.
+constexpr unsigned kRowOut = 1u, kRowCache = 2u;
+
+template <typename Index>
+__device__ __forceinline__ unsigned row_quantised_targets(const RopeParams& p,
+                                                          const FusionParams& f,
+                                                          const HeadTargets<Index>& t,
+                                                          Index head) {
+  const bool is_k = head >= static_cast<Index>(p.num_q_heads);
+  return ((is_k ? f.k_out_scales : f.q_out_scales) != nullptr ? kRowOut : 0u) |
+         (is_k && t.cache_offset >= 0 && f.k_cache_scales != nullptr ? kRowCache : 0u);
+}
+
+// The row stores of a q or k head (none unless the launch is row-scaled and this head's output or
+// its k cache row is quantised per row).
+template <typename Index>
+__device__ __forceinline__ RowStores head_row_stores(const RopeParams& p, const FusionParams& f,
+                                                     const TokenState<Index>& s,
+                                                     const HeadTargets<Index>& t, Index token,
+                                                     Index head, float k_inv_scale) {
+  RowStores r{};
+  const Index num_q_heads = static_cast<Index>(p.num_q_heads);
+  const bool is_k = head >= num_q_heads;
+  const long long h = is_k ? head - num_q_heads : head;
+  float* const out_scales = is_k ? f.k_out_scales : f.q_out_scales;
+  if (out_scales != nullptr) {
+    r.out.base = t.out;
+    r.out.offset = t.out_offset;
+    r.out.format = f.out_format;
+    r.out.scales = out_scales +
+                   static_cast<long long>(token) * (is_k ? f.k_out_scales_token_stride
+                                                         : f.q_out_scales_token_stride) +
+                   h * (is_k ? f.k_out_scales_head_stride : f.q_out_scales_head_stride);
+  }
+  if (is_k && t.cache_offset >= 0 && f.k_cache_scales != nullptr) {
+    const long long at =
+        slot_scale_rows(f, static_cast<long long>(token)).k_base + h * f.k_cache_scales_head_stride;
+    r.cache.base = f.k_cache;
+    r.cache.offset = t.cache_offset;
+    r.cache.format = f.cache_format;
+    r.cache.scales = f.cache_format == kStoreNVFP4
+                         ? static_cast<void*>(static_cast<unsigned char*>(f.k_cache_scales) + at)
+                         : static_cast<void*>(static_cast<float*>(f.k_cache_scales) + at);
+    r.cache.global = scale_of(f.k_scale, f.k_scale_value);
+    r.cache.inv_global = k_inv_scale;
+  }
+  return r;
+}
+
+// This thread's head lane group's row buffer: head_dim floats, after the ring and the norm
+// weights in the block's shared memory (the host sized it: launch.fused_shared_bytes).
+__device__ __forceinline__ float* row_buffer(const FusionParams& f, long long head_dim) {
+  extern __shared__ __align__(16) unsigned char fused_shared[];
+  const long long threads = static_cast<long long>(ntid_x()) * ntid_y() * ntid_z();
+  const long long ring_bytes = f.ring ? threads * kRingDepth * kRingSlotBytes : 0;
+  const long long weight_bytes = f.norm ? 2 * head_dim * static_cast<long long>(sizeof(float)) : 0;
+  const long long group = tid_y() + static_cast<long long>(ntid_y()) * tid_z();
+  return reinterpret_cast<float*>(fused_shared + ring_bytes + weight_bytes) + group * head_dim;
+}
+
+// One target of a gathered row, by the lanes of the head: fp8 with the row's scale from `amax`,
+// or NVFP4 block by block.
+template <typename T, bool VECTOR, int A>
+__device__ __forceinline__ void store_row(const float* row, long long head_dim, const RowStore& s,
+                                          float amax) {
+  if (s.base == nullptr) return;
+  const long long lane = tid_x(), lanes = ntid_x();
+  if (s.format == kStoreNVFP4) {
+    unsigned char* const bytes = static_cast<unsigned char*>(s.base) + s.offset;
+    unsigned char* const block_scales = static_cast<unsigned char*>(s.scales);
+    for (long long b = lane; b < head_dim / kNvfp4BlockValues; b += lanes) {
+      float x[kNvfp4BlockValues];
+#pragma unroll
+      for (int i = 0; i < kNvfp4BlockValues; ++i) x[i] = row[b * kNvfp4BlockValues + i];
+      unsigned words[2];
+      block_scales[b] = static_cast<unsigned char>(nvfp4_block(x, s.global, s.inv_global, words));
+      unsigned char* const at = bytes + b * (kNvfp4BlockValues / 2);
+      if ((reinterpret_cast<unsigned long long>(at) & 7u) == 0) {
+        uint2 both;
+        both.x = words[0];
+        both.y = words[1];
+        *reinterpret_cast<uint2*>(at) = both;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) at[i] = static_cast<unsigned char>(words[i / 4] >> (8 * (i % 4)));
+      }
+    }
+    return;
+  }
+  const float scale = row_scale_of(amax, s.format);
+  if (lane == 0) *static_cast<float*>(s.scales) = scale;
+  const float inv_scale = 1.0f / scale;
+  for (long long c = lane; c < head_dim / A; c += lanes) {
+    float v[A];
+#pragma unroll
+    for (int i = 0; i < A; ++i) v[i] = row[c * A + i];
+    store_values<T, VECTOR>(s.base, s.offset + c * A, v, s.format, inv_scale);
+  }
+}
+
+// Store a gathered row to its row-quantised targets. Every lane of the head calls this (it
+// synchronises them and shuffles); the row buffer is free again when it returns.
+template <typename T, bool VECTOR, int A>
+__device__ __forceinline__ void finish_row(const float* row, long long head_dim,
+                                           const RowStores& r) {
+  const unsigned mask = head_lanes_mask();
+  __syncwarp(mask);  // every lane's values are in the row
+  float amax = 0.0f;
+  if ((r.out.base != nullptr && r.out.format != kStoreNVFP4) ||
+      (r.cache.base != nullptr && r.cache.format != kStoreNVFP4)) {
+    for (long long d = tid_x(); d < head_dim; d += ntid_x()) {
+      amax = max_keeping_nan(amax, fabsf(row[d]));
+    }
+    amax = lanes_max(amax);
+  }
+  store_row<T, VECTOR, A>(row, head_dim, r.out, amax);
+  store_row<T, VECTOR, A>(row, head_dim, r.cache, amax);
+  __syncwarp(mask);  // every lane has read the row before the next head overwrites it
+}
+
+// v head `vh` of the token into a row-quantised v cache (per-row fp8 or NVFP4): gathered, then
+// stored as the k rows are; nothing for a token without a slot.
+template <typename T, bool VECTOR, int A, typename Index>
+__device__ __forceinline__ void store_v_row(const FusionParams& f, Index token, Index vh,
+                                            const TokenState<Index>& s, Index head_dim,
+                                            float* row, float v_inv_scale) {
+  if (s.slot.v_base < 0) return;
+  const T* v_row = static_cast<const T*>(f.v) + token * static_cast<Index>(f.v_token_stride) +
+                   vh * static_cast<Index>(f.v_head_stride);
+  for (Index c = tid_x(); c < head_dim / A; c += ntid_x()) {
+    T raw[A];
+    load_elements<VECTOR>(raw, v_row + c * A);
+#pragma unroll
+    for (int i = 0; i < A; ++i) row[c * A + i] = to_float(raw[i]);
+  }
+  const long long at = slot_scale_rows(f, static_cast<long long>(token)).v_base +
+                       static_cast<long long>(vh) * f.v_cache_scales_head_stride;
+  RowStores r{};
+  r.cache.base = f.v_cache;
+  r.cache.offset = s.slot.v_base + static_cast<long long>(vh) * f.v_cache_head_stride;
+  r.cache.format = f.cache_format;
+  r.cache.scales = f.cache_format == kStoreNVFP4
+                       ? static_cast<void*>(static_cast<unsigned char*>(f.v_cache_scales) + at)
+                       : static_cast<void*>(static_cast<float*>(f.v_cache_scales) + at);
+  r.cache.global = scale_of(f.v_scale, f.v_scale_value);
+  r.cache.inv_global = v_inv_scale;
+  finish_row<T, VECTOR, A>(row, head_dim, r);
+}
 
 // Where head `head` (a q or k head) of the token goes: its output row and its k cache row.
 template <typename T, typename Index>
@@ -368,7 +587,12 @@ __device__ __forceinline__ Index first_v_head_of(Index first_head, Index head_st
 // shuffle reduction; without the ring that wait was exposed (H100, T = 65536: rms_norm_rope 62% ->
 // 70% of an SM copy; launch.py has the other numbers). Few tokens and fp8 outputs alone run
 // faster without it.
-template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
+//
+// ROWS (rope_fused_rows_kernel): the launch may quantise stores per row (f.row_scaled: per-(token,
+// head) fp8 scales, NVFP4 caches), gathering those rows in shared memory; compiled apart so that
+// the other fused launches keep their registers.
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
+          bool ROWS = false>
 __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const FusionParams& f) {
   using Index = typename IndexOf<WIDE_INDEX>::type;
   using L = Layout<T, VECTOR, INTERLEAVED>;
@@ -391,7 +615,7 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
   const bool many_chunks = num_chunks > static_cast<Index>(ntid_x());
   const bool pass_through = f.norm || f.write_pass_through || f.k_cache != nullptr;
   const Index pass_chunks = pass_through ? (head_dim - rotary_dim) / A : 0;
-  const bool pipelined = f.ring && !many_chunks && pass_chunks == 0;
+  const bool pipelined = !ROWS && f.ring && !many_chunks && pass_chunks == 0;
   const Index num_q_heads = static_cast<Index>(p.num_q_heads);
   const Index num_rotated = num_q_heads + static_cast<Index>(p.num_k_heads);
   const Index num_heads = num_rotated + (f.k_cache != nullptr ? static_cast<Index>(f.num_v_heads) : 0);
@@ -410,6 +634,7 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
   const long long first_position =
       first_token_position<SOURCE>(p, first_token, num_tokens);
   const float* const norm_weights = f.norm ? fill_norm_weights(f, head_dim) : nullptr;
+  float* const row = ROWS && f.row_scaled ? row_buffer(f, head_dim) : nullptr;
 
   for (Index token = first_token; token < num_tokens; token += token_step) {
     TokenState<Index> s;
@@ -490,6 +715,13 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
       for (Index head = first_head; head < num_rotated; head += head_step) {
         const HeadRows<T> rows = head_rows<T, Index>(p, s.o, head);
         const HeadTargets<Index> t = head_targets<T>(p, f, s, head, q_inv_scale, k_inv_scale);
+        // Targets quantised per row wait for the whole row (gathered in `row`); the others are
+        // stored as the values come.
+        const unsigned gathered =
+            ROWS && f.row_scaled ? row_quantised_targets(p, f, t, head) : 0u;
+        const bool gather = gathered != 0u;
+        const bool out_now = (gathered & kRowOut) == 0u;
+        const bool cache_now = (gathered & kRowCache) == 0u;
         float sum = 0.0f;
         if (f.norm) {
           // The sum of squares of the whole head: this lane's chunks and its share of the dims
@@ -516,7 +748,20 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
           }
           Chunk chunk;
           chunk.load(rows.in, lane * P, half);
-          rotate_chunk_to(f, chunk, lane * P, half, cos_v, sin_v, head_sign, norm, t, k_inv_scale);
+          if (!gather) {
+            rotate_chunk_to(f, chunk, lane * P, half, cos_v, sin_v, head_sign, norm, t,
+                            k_inv_scale);
+            continue;
+          }
+          float y1[P], y2[P];
+          rotated_chunk(chunk, lane * P, half, cos_v, sin_v, head_sign, norm, y1, y2);
+#pragma unroll
+          for (int i = 0; i < P; ++i) {
+            row[INTERLEAVED ? 2 * (lane * P + i) : lane * P + i] = y1[i];
+            row[INTERLEAVED ? 2 * (lane * P + i) + 1 : half + lane * P + i] = y2[i];
+          }
+          store_rotated<T, P, VECTOR, INTERLEAVED>(f, y1, y2, lane * P, half, t, k_inv_scale,
+                                                   out_now, cache_now);
         }
         for (Index c = lane0; c < pass_chunks; c += ntid_x()) {
           const Index col = rotary_dim + c * A;
@@ -525,19 +770,31 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
           load_elements<VECTOR>(raw, rows.in + col);
 #pragma unroll
           for (int i = 0; i < A; ++i) v[i] = to_float(raw[i]) * norm.at(col + i);
-          if (f.write_pass_through) {
+          if (gather) {
+#pragma unroll
+            for (int i = 0; i < A; ++i) row[col + i] = v[i];
+          }
+          if (f.write_pass_through && out_now) {
             store_values<T, VECTOR>(t.out, t.out_offset + col, v, f.out_format, t.out_inv_scale);
           }
-          if (t.cache_offset >= 0) {
+          if (t.cache_offset >= 0 && cache_now) {
             store_values<T, VECTOR>(f.k_cache, t.cache_offset + col, v, f.cache_format, k_inv_scale);
           }
+        }
+        if (gather) {
+          finish_row<T, VECTOR, A>(row, head_dim,
+                                   head_row_stores(p, f, s, t, token, head, k_inv_scale));
         }
       }
     }
     // The v heads: to the v cache, unchanged but for the fp8 store.
     for (Index head = first_v_head; head < num_heads; head += head_step) {
-      store_v_head<T, VECTOR, A>(f, token, head - num_rotated, s.slot.v_base, head_chunks,
-                                 v_inv_scale);
+      if (ROWS && f.v_cache_scales != nullptr) {
+        store_v_row<T, VECTOR, A>(f, token, head - num_rotated, s, head_dim, row, v_inv_scale);
+      } else {
+        store_v_head<T, VECTOR, A>(f, token, head - num_rotated, s.slot.v_base, head_chunks,
+                                   v_inv_scale);
+      }
     }
   }
 }

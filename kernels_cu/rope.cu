@@ -14,13 +14,15 @@
 // rope_lean_kernel for the common case (one token dim after merging, no M-RoPE,
 // 16-byte accesses, 32-bit offsets, vector cos/sin rows: fewer registers and about half the
 // instructions), rope_kernel for every layout, rope_fused_kernel for the fused ops (fused.cuh)
-// and rope_fused_lean_kernel for their common layout (fused_lean.cuh).
+// (rope_fused_rows_kernel where stores are quantised per row) and rope_fused_lean_kernel for
+// their common layout (fused_lean.cuh).
 #include "angles.cuh"
 #include "decode.cuh"
 #include "dependent_launch.cuh"
 #include "fused.cuh"
 #include "fused_lean.cuh"
 #include "numeric.cuh"
+#include "rerotate.cuh"
 #include "rope_params.cuh"
 #include "rotation.cuh"
 #include "thread_index.cuh"
@@ -231,6 +233,15 @@ void rope_fused_kernel(const RopeParams p, const FusionParams f) {
   rope_fused_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX>(p, f);
 }
 
+// The fused kernel for launches that quantise stores per row (per-(token, head) fp8 scales,
+// NVFP4 caches: quantize.cuh), with the row buffer's code that the kernel above leaves out: 2
+// resident blocks (128 registers), 1 with 64-bit offsets.
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
+__global__ __launch_bounds__(kMaxThreadsPerBlock, WIDE_INDEX ? 1 : 2)
+void rope_fused_rows_kernel(const RopeParams p, const FusionParams f) {
+  rope_fused_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, true>(p, f);
+}
+
 // The fused ops in the lean layout, one kernel per set of fusions (NORM, CACHE): 4 resident blocks
 // (64 registers), 3 (80) where 64 spill: the norm with the cache write, and the norm of float16
 // NeoX heads. One block fewer where those caps spill: on Blackwell the cache write of 16-bit NeoX
@@ -271,6 +282,22 @@ __global__ __launch_bounds__(kMaxThreadsPerBlock,
                              FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE, SOURCE>::value)
 void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
   rope_fused_lean<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, NORM, CACHE>(p, f);
+}
+
+// Re-rotation of cached keys in place (rerotate.cuh): FORMAT is the cache's StoreFormat, T its
+// element type (unsigned char for fp8). 3 resident blocks (80 registers), 2 (128) for the 16-byte
+// fp8 chunks of NeoX heads (16 pairs a thread: their cos/sin and values live at once).
+// tests/test_kernel_compile.py checks that nothing spills.
+template <typename T, bool VECTOR, bool INTERLEAVED>
+struct RerotateMinBlocksPerSM {
+  static constexpr int value = VECTOR && sizeof(T) == 1 && !INTERLEAVED ? 2 : 3;
+};
+
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, int FORMAT>
+__global__ __launch_bounds__(kMaxThreadsPerBlock,
+                             RerotateMinBlocksPerSM<T, VECTOR, INTERLEAVED>::value)
+void rerotate_cache_kernel(const RopeParams p, const RerotateParams r) {
+  rerotate_slots<T, TableT, VECTOR, INTERLEAVED, SOURCE, FORMAT>(p, r);
 }
 
 }  // namespace cupyrope

@@ -65,11 +65,17 @@ struct RopeParams {
 
   double sin_sign;               // -1 rotates backwards (inverse / gradient)
   double attention_factor;       // multiplies cos and sin of in-kernel angles
+
+  // Elements between two consecutive dims of a head (the last dim's stride): 1 for dense heads,
+  // which every 16-byte path needs; any other value takes the scalar path of rope_kernel (the
+  // fused kernels take dense heads only). Last, so the fields before keep their offsets.
+  long long q_dim_stride, k_dim_stride, q_out_dim_stride, k_out_dim_stride;
 };
 
 // Storage formats of the fused kernel's outputs (FusionParams::out_format / cache_format;
-// StoreFormat in abi.py): the input dtype itself, or fp8 (value / scale, saturated).
-enum StoreFormat : int { kStoreInput = 0, kStoreE4M3 = 1, kStoreE5M2 = 2 };
+// StoreFormat in abi.py): the input dtype itself, or fp8 (value / scale, saturated), or (caches
+// only) NVFP4: e2m1 pairs packed in bytes with an e4m3 scale per 16 values (quantize.cuh).
+enum StoreFormat : int { kStoreInput = 0, kStoreE4M3 = 1, kStoreE5M2 = 2, kStoreNVFP4 = 3 };
 
 // dtypes of the RMSNorm weights (FusionParams::weight_dtype; WeightDtype in abi.py).
 enum WeightDtype : int { kWeightFloat32 = 0, kWeightFloat16 = 1, kWeightBFloat16 = 2 };
@@ -109,6 +115,26 @@ struct FusionParams {
 
   double eps, weight_offset;
   double q_scale_value, k_scale_value, v_scale_value;
+
+  // Stores quantised per row (fused.cuh: finish_row). Null where a store takes the per-tensor
+  // scale above. fp8 outputs or an fp8 cache with a scale per (token, head) row: the row's amax /
+  // the format's largest value (at least the smallest normal float32), written as float32 to
+  // q_out_scales [tokens, num_q_heads], k_out_scales [tokens, num_k_heads] or the cache's scales
+  // ([blocks, block_size, heads] or HND [blocks, heads, block_size]). An NVFP4 cache
+  // (cache_format kStoreNVFP4): its e4m3 block scales, one byte per 16 values of a row
+  // ([blocks, block_size, heads, head_dim / 16] or HND), k_scale / v_scale its global scales.
+  float* q_out_scales;
+  float* k_out_scales;
+  void* k_cache_scales;
+  void* v_cache_scales;
+  long long q_out_scales_token_stride, q_out_scales_head_stride;
+  long long k_out_scales_token_stride, k_out_scales_head_stride;
+  // Element strides of the cache scales, as the caches' (between blocks, slots of a block, heads).
+  long long k_cache_scales_block_stride, k_cache_scales_slot_stride, k_cache_scales_head_stride;
+  long long v_cache_scales_block_stride, v_cache_scales_slot_stride, v_cache_scales_head_stride;
+  // 1: some store is quantised per row; the host then sized a row buffer per head lane group in
+  // shared memory (after the ring and the norm weights) and made blockDim.x a power of two.
+  long long row_scaled;
 };
 
 // The one by-value argument of rope_decode_kernel (decode.cuh): what a decode launch reads, in

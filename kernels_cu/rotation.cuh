@@ -47,6 +47,23 @@ struct HeadChunk {
     }
   }
 
+  // The scalar path's load from a head whose elements lie `stride` apart (any stride: the host
+  // takes this path whenever a head's last dim is not dense).
+  template <typename Index>
+  __device__ __forceinline__ void load(const T* in, Index pair0, Index half, Index stride) {
+    static_assert(!VECTOR && sizeof(Index) > 0, "strided heads take the scalar path");
+    if constexpr (INTERLEAVED) {
+#pragma unroll
+      for (int i = 0; i < 2 * P; ++i) first[i] = in[(2 * pair0 + i) * stride];
+    } else {
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        first[i] = in[(pair0 + i) * stride];
+        second[i] = in[(half + pair0 + i) * stride];
+      }
+    }
+  }
+
   // sin_sign (+1, or -1 to rotate backwards) of table-read angles is applied here, per head, not
   // once to sin_v after the load: a multiply there would make the first head's loads wait for the
   // cos/sin load, where now the two loads overlap (docs/perf_log.md has the numbers). Computed
@@ -55,6 +72,37 @@ struct HeadChunk {
   __device__ __forceinline__ void rotate_store(T* out, Index pair0, Index half,
                                                const C (&cos_v)[P], const C (&sin_v)[P],
                                                C sin_sign) {
+    rotate(cos_v, sin_v, sin_sign);
+    if constexpr (INTERLEAVED) {
+      store_elements<VECTOR>(out + 2 * pair0, first);
+    } else {
+      store_elements<VECTOR>(out + pair0, first);
+      store_elements<VECTOR>(out + half + pair0, second);
+    }
+  }
+
+  // rotate_store into a head whose elements lie `stride` apart (the scalar path).
+  template <typename C, typename Index>
+  __device__ __forceinline__ void rotate_store(T* out, Index pair0, Index half,
+                                               const C (&cos_v)[P], const C (&sin_v)[P],
+                                               C sin_sign, Index stride) {
+    static_assert(!VECTOR && sizeof(Index) > 0, "strided heads take the scalar path");
+    rotate(cos_v, sin_v, sin_sign);
+    if constexpr (INTERLEAVED) {
+#pragma unroll
+      for (int i = 0; i < 2 * P; ++i) out[(2 * pair0 + i) * stride] = first[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        out[(pair0 + i) * stride] = first[i];
+        out[(half + pair0 + i) * stride] = second[i];
+      }
+    }
+  }
+
+  // The chunk's pairs rotated in place, each rounded once to T.
+  template <typename C>
+  __device__ __forceinline__ void rotate(const C (&cos_v)[P], const C (&sin_v)[P], C sin_sign) {
 #pragma unroll
     for (int i = 0; i < P; ++i) {
       T& e1 = INTERLEAVED ? first[2 * i] : first[i];
@@ -64,12 +112,6 @@ struct HeadChunk {
                   y2);
       e1 = Store<T>::from(y1);
       e2 = Store<T>::from(y2);
-    }
-    if constexpr (INTERLEAVED) {
-      store_elements<VECTOR>(out + 2 * pair0, first);
-    } else {
-      store_elements<VECTOR>(out + pair0, first);
-      store_elements<VECTOR>(out + half + pair0, second);
     }
   }
 };
@@ -81,6 +123,21 @@ struct HeadRows {
   const T* in;
   T* out;
 };
+
+// Elements between two dims of a head, of the input (q or k) and of its output: 1 for dense heads
+// (the 16-byte path needs that), anything on the scalar path.
+template <typename Index>
+struct DimStrides {
+  Index in, out;
+};
+
+template <typename Index>
+__device__ __forceinline__ DimStrides<Index> dim_strides(const RopeParams& p, Index head) {
+  if (head < static_cast<Index>(p.num_q_heads)) {
+    return {static_cast<Index>(p.q_dim_stride), static_cast<Index>(p.q_out_dim_stride)};
+  }
+  return {static_cast<Index>(p.k_dim_stride), static_cast<Index>(p.k_out_dim_stride)};
+}
 
 template <typename T, typename Index>
 __device__ __forceinline__ HeadRows<T> head_rows(const RopeParams& p, const TokenOffsets<Index>& o,
@@ -105,8 +162,14 @@ __device__ __forceinline__ void rotate_heads(const RopeParams& p, const TokenOff
   for (Index head = first_head; head < num_heads; head += head_step) {
     const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
     HeadChunk<T, P, VECTOR, INTERLEAVED> chunk;
-    chunk.load(rows.in, pair0, half);
-    chunk.rotate_store(rows.out, pair0, half, cos_v, sin_v, sin_sign);
+    if constexpr (VECTOR) {
+      chunk.load(rows.in, pair0, half);
+      chunk.rotate_store(rows.out, pair0, half, cos_v, sin_v, sin_sign);
+    } else {
+      const DimStrides<Index> strides = dim_strides(p, head);
+      chunk.load(rows.in, pair0, half, strides.in);
+      chunk.rotate_store(rows.out, pair0, half, cos_v, sin_v, sin_sign, strides.out);
+    }
   }
 }
 
@@ -122,9 +185,15 @@ __device__ __forceinline__ void copy_pass_through(const RopeParams& p, const Tok
 #pragma unroll 4
     for (Index head = first_head; head < num_heads; head += head_step) {
       const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
-      T v[ACCESS];
-      load_elements<VECTOR>(v, rows.in + col);
-      store_elements<VECTOR>(rows.out + col, v);
+      if constexpr (VECTOR) {
+        T v[ACCESS];
+        load_elements<VECTOR>(v, rows.in + col);
+        store_elements<VECTOR>(rows.out + col, v);
+      } else {
+        static_assert(ACCESS == 1, "the scalar path copies one element at a time");
+        const DimStrides<Index> strides = dim_strides(p, head);
+        rows.out[col * strides.out] = rows.in[col * strides.in];
+      }
     }
   }
 }

@@ -55,7 +55,7 @@ def _constants_source() -> str:
     checks += _enum_checks(MRopeMode, {"NONE": "kMRopeNone", "SECTIONED": "kMRopeSectioned",
                                        "INTERLEAVED": "kMRopeInterleaved"})
     checks += _enum_checks(StoreFormat, {"INPUT": "kStoreInput", "E4M3": "kStoreE4M3",
-                                         "E5M2": "kStoreE5M2"})
+                                         "E5M2": "kStoreE5M2", "NVFP4": "kStoreNVFP4"})
     checks += _enum_checks(WeightDtype, {"FLOAT32": "kWeightFloat32", "FLOAT16": "kWeightFloat16",
                                          "BFLOAT16": "kWeightBFloat16"})
     for dtype, vector, interleaved in itertools.product(CUDA_TYPE_NAMES, (True, False), (True, False)):

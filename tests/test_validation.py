@@ -46,8 +46,6 @@ CASES = {
     "q_complex": lambda a: (a.q.astype(np.complex64), None, {}, TypeError, Q, "complex64"),
     "q_float8": lambda a: (a.q.astype(ml_dtypes.float8_e4m3fn), None, {}, TypeError, Q, "float8"),
     "q_rank1": lambda a: (a.q[0, 0], None, {}, ValueError, Q, None),
-    "q_last_stride": lambda a: (a.randn((T, HQ, 2 * D))[..., ::2], None, {}, ValueError, Q, None),
-    "k_last_stride": lambda a: (a.q, a.randn((T, HK, 2 * D))[..., ::2], {}, ValueError, K, None),
     "k_token_dims": lambda a: (a.q, a.randn((T + 1, HK, D)), {}, ValueError, K, None),
     "k_token_rank": lambda a: (a.q, a.randn((1, T, HK, D)), {}, ValueError, K, None),
     "k_head_dim": lambda a: (a.q, a.randn((T, HK, D + 2)), {}, ValueError, K, str(D + 2)),

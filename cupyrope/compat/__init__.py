@@ -16,7 +16,7 @@ from .flashinfer import (apply_llama31_rope, apply_llama31_rope_inplace,
                          rope_quantize_fp8_append_paged_kv_cache)
 from .hf import HFPatch, hf_apply_rotary_pos_emb, patch_hf_model
 from .sglang import FusedSetKVBufferArg, apply_rope_with_cos_sin_cache_inplace
-from .te import te_apply_rotary_pos_emb, te_cos_sin_cache
+from .te import te_apply_fused_qkv_rotary_pos_emb, te_apply_rotary_pos_emb, te_cos_sin_cache
 from .vllm import (batched_rotary_embedding, fused_qk_norm_rope, fused_qk_norm_rope_kvcache,
                    reshape_and_cache_flash, rope_and_reshape_and_cache_flash, rotary_embedding)
 
@@ -47,6 +47,7 @@ __all__ = [
     "rope_quantize_fp8",
     "rope_quantize_fp8_append_paged_kv_cache",
     "rotary_embedding",
+    "te_apply_fused_qkv_rotary_pos_emb",
     "te_apply_rotary_pos_emb",
     "te_cos_sin_cache",
 ]

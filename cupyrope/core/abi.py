@@ -33,6 +33,7 @@ class StoreFormat(enum.IntEnum):
     INPUT = 0  # the input dtype
     E4M3 = 1  # float8_e4m3fn of value / scale, saturated
     E5M2 = 2  # float8_e5m2 of value / scale, saturated
+    NVFP4 = 3  # caches only: e2m1 pairs in bytes, an e4m3 scale per 16 values (quantize.cuh)
 
 
 class WeightDtype(enum.IntEnum):
@@ -76,6 +77,8 @@ PARAMS_DTYPE = np.dtype(
         "table_vector_ok", "copy_pass_through", "mrope_mode")]
     + [("mrope_section", np.int64, (3,)), ("positions_component_stride", np.int64)]
     + [("sin_sign", np.float64), ("attention_factor", np.float64)]
+    + [(name, np.int64) for name in ("q_dim_stride", "k_dim_stride", "q_out_dim_stride",
+                                     "k_out_dim_stride")]
 )
 
 # Field for field the layout of cupyrope::FusionParams.
@@ -90,6 +93,14 @@ FUSION_PARAMS_DTYPE = np.dtype(
         "v_cache_slot_stride", "v_cache_head_stride", "ring")]
     + [(name, np.float64) for name in ("eps", "weight_offset", "q_scale_value", "k_scale_value",
                                        "v_scale_value")]
+    # Stores quantised per row: per-(token, head) fp8 scales and NVFP4 block scales.
+    + [(name, np.uint64) for name in ("q_out_scales", "k_out_scales", "k_cache_scales",
+                                      "v_cache_scales")]
+    + [(name, np.int64) for name in (
+        "q_out_scales_token_stride", "q_out_scales_head_stride", "k_out_scales_token_stride",
+        "k_out_scales_head_stride", "k_cache_scales_block_stride", "k_cache_scales_slot_stride",
+        "k_cache_scales_head_stride", "v_cache_scales_block_stride", "v_cache_scales_slot_stride",
+        "v_cache_scales_head_stride", "row_scaled")]
 )
 
 # Field for field the layout of cupyrope::DecodeParams (the decode kernel's compact parameters:

@@ -1,6 +1,8 @@
-"""Checks of what the fused ops add to a rotation: RMSNorm weights, fp8 outputs and their scales,
-and the KV-cache write (v, the paged caches, the slot mapping). :func:`plan_fusion` turns those
-arguments into a :class:`FusionPlan` or raises, before anything is allocated, launched or written.
+"""Checks of what the fused ops add to a rotation: RMSNorm weights, fp8 outputs and their scales
+(one per tensor, or one per (token, head) row computed by the call), and the KV-cache write (v,
+the paged caches in the input dtype, fp8 or NVFP4, the slot mapping). :func:`plan_fusion` turns
+those arguments into a :class:`FusionPlan` or raises, before anything is allocated, launched or
+written.
 """
 
 from __future__ import annotations
@@ -19,7 +21,18 @@ from .validators import check_real
 
 # Largest finite value of each fp8 format: stores saturate there.
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
-STORE_FORMATS = {"float8_e4m3fn": StoreFormat.E4M3, "float8_e5m2": StoreFormat.E5M2}
+STORE_FORMATS = {"float8_e4m3fn": StoreFormat.E4M3, "float8_e5m2": StoreFormat.E5M2,
+                 "nvfp4": StoreFormat.NVFP4}
+# Scales computed per (token, head) row by the call: ``q_scale="per_head"`` (new arrays, returned
+# after the results) or a float32 array to fill.
+PER_HEAD = "per_head"
+# NVFP4 caches (TensorRT-LLM's and FlashInfer's layout): e2m1 values two per byte (uint8
+# [..., head_dim // 2]), one e4m3 block scale per NVFP4_BLOCK values ([..., head_dim // 16]).
+NVFP4 = "nvfp4"
+NVFP4_BLOCK = 16
+E2M1_MAX = 6.0
+CACHE_FORMATS = FP8_DTYPES + (NVFP4,)
+BLOCK_SCALE_DTYPES = ("uint8", "float8_e4m3fn")
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 LAYOUTS = ("NHD", "HND")
 
@@ -31,6 +44,9 @@ class Scale:
 
     value: float = 1.0
     array: ArrayInfo | None = None
+    # Per-row scales instead: the float32 array the call writes one scale per (token, head) row
+    # into (amax / the fp8 format's largest value); ``value`` and ``array`` are then unused.
+    rows: ArrayInfo | None = None
 
 
 @dataclass
@@ -55,10 +71,29 @@ class FusionPlan:
     layout: str = "NHD"
     block_size: int = 0
     num_blocks: int = 0
+    k_cache_scales: ArrayInfo | None = None  # NVFP4 caches: their e4m3 block scales
+    v_cache_scales: ArrayInfo | None = None
 
     @property
     def writes_cache(self) -> bool:
         return self.k_cache is not None
+
+    @property
+    def row_scaled(self) -> bool:
+        """Whether some store is quantised per row (per-(token, head) fp8 scales or an NVFP4
+        cache): such launches gather each row before storing it (kernels_cu/quantize.cuh)."""
+        return self.cache_dtype == NVFP4 or any(
+            s is not None and s.rows is not None for s in (self.q_scale, self.k_scale, self.v_scale))
+
+    def written_scales(self) -> list[tuple[str, ArrayInfo]]:
+        """The scale arrays the call writes: per-row scales and NVFP4 block scales."""
+        named = [(name, s.rows) for name, s in (("q_scale", self.q_scale), ("k_scale", self.k_scale),
+                                                ("v_scale", self.v_scale))
+                 if s is not None and s.rows is not None]
+        named += [(name, info) for name, info in (("k_cache_scales", self.k_cache_scales),
+                                                  ("v_cache_scales", self.v_cache_scales))
+                  if info is not None]
+        return named
 
     @property
     def num_slots(self) -> int:
@@ -76,7 +111,8 @@ class FusionPlan:
                  *((name, s.array) for name, s in (("q_scale", self.q_scale),
                                                    ("k_scale", self.k_scale),
                                                    ("v_scale", self.v_scale))
-                   if s is not None))
+                   if s is not None),
+                 *self.written_scales())
         return [(name, info) for name, info in named if info is not None]
 
 
@@ -89,6 +125,29 @@ def fp8_name(value, name: str, op_name: str) -> str | None:
         raise refused_dtype_error(value)(
             f"{op_name}: {name} must be None or one of {FP8_DTYPES}, got {value!r}")
     return text
+
+
+def cache_format_name(value, op_name: str) -> str | None:
+    """The cache format named by ``cache_dtype``: an fp8 dtype (a string or a dtype object) or
+    ``"nvfp4"``; None for None."""
+    if value is None:
+        return None
+    text = dtype_name_of(value)
+    if text not in CACHE_FORMATS:
+        raise refused_dtype_error(value)(
+            f"{op_name}: cache_dtype must be None or one of {CACHE_FORMATS}, got {value!r}")
+    return text
+
+
+def is_per_row(value) -> bool:
+    """Whether an fp8 scale argument asks for scales per (token, head) row: ``"per_head"``, or an
+    array of two or more dims (a per-tensor scale is a number or a 0-d / one-element array)."""
+    if isinstance(value, str):
+        return value == PER_HEAD
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    shape = getattr(value, "shape", None)
+    return shape is not None and len(shape) >= 2
 
 
 def _scale(value, name: str, op_name: str, q: ArrayInfo) -> Scale:
@@ -112,6 +171,139 @@ def _scale(value, name: str, op_name: str, q: ArrayInfo) -> Scale:
     return Scale(array=info)
 
 
+def _row_scales(value, name: str, op_name: str, q: ArrayInfo, shape: tuple[int, ...], what: str,
+                *, contiguous: bool) -> Scale:
+    """A float32 array the call writes one scale per row into: an output's (``contiguous``: C
+    order, as the kernel indexes them by token and head) or a cache's (any strides)."""
+    if isinstance(value, str):
+        if not contiguous:  # a cache's rows
+            raise ValueError(f"{op_name}: {name}='per_head' for {what}: their scales must stay "
+                             f"beside the cache; pass the float32 array of shape {shape} that "
+                             "keeps them")
+        raise ValueError(f"{op_name}: {name}='per_head' makes new scale arrays only in apply_rope "
+                         "and rms_norm_rope, for CuPy, torch and NumPy arrays with a token dim; "
+                         f"pass a float32 array of shape {shape} ({what}) to fill")
+    info = describe(value, name)
+    if info.shape != tuple(shape):
+        raise ValueError(f"{op_name}: {name} holds the scales of {what}, one per row: it must have "
+                         f"shape {tuple(shape)}, got {info.shape}")
+    if info.dtype != "float32":
+        raise TypeError(f"{op_name}: {name} (per-row scales) must be float32, got {info.dtype}")
+    if info.kind != q.kind or info.device != q.device:
+        raise TypeError(f"{op_name}: {name} must be the array type and device of q ({q.kind}, "
+                        f"{q.where()}), got ({info.kind}, {info.where()})")
+    if not info.writable:
+        raise ValueError(f"{op_name}: {name} is read-only (the call writes its per-row scales)")
+    if contiguous and not _c_order(info):
+        raise ValueError(f"{op_name}: {name} (per-row scales) must be C-contiguous, got strides "
+                         f"{info.strides}")
+    return Scale(rows=info)
+
+
+def _c_order(info: ArrayInfo) -> bool:
+    step = 1
+    for size, stride in zip(reversed(info.shape), reversed(info.strides)):
+        if size != 1 and stride != step:
+            return False
+        step *= size
+    return True
+
+
+def _block_scales(value, name: str, plan: "FusionPlan", q: ArrayInfo, heads: int,
+                  head_dim: int) -> ArrayInfo:
+    """The e4m3 block scales beside an NVFP4 cache: the cache's blocks, slots and heads, then
+    head_dim // 16 bytes (uint8 or float8_e4m3fn)."""
+    op_name = plan.op_name
+    if value is None:
+        raise TypeError(f"{op_name}: an NVFP4 cache needs its block scales: pass k_cache_scales "
+                        "and v_cache_scales")
+    info = describe(value, name)
+    blocks = head_dim // NVFP4_BLOCK
+    shape = ((plan.num_blocks, plan.block_size, heads, blocks) if plan.layout == "NHD"
+             else (plan.num_blocks, heads, plan.block_size, blocks))
+    if info.shape != shape:
+        raise ValueError(f"{op_name}: {name} must have shape {shape} (the cache's blocks, slots "
+                         f"and heads, then head_dim // {NVFP4_BLOCK} e4m3 scales), got {info.shape}")
+    if info.dtype not in BLOCK_SCALE_DTYPES:
+        raise TypeError(f"{op_name}: {name} holds e4m3 block scales: uint8 or float8_e4m3fn, got "
+                        f"{info.dtype}")
+    if info.kind != q.kind or info.device != q.device:
+        raise TypeError(f"{op_name}: {name} must be the array type and device of q ({q.kind}, "
+                        f"{q.where()}), got ({info.kind}, {info.where()})")
+    if info.strides[-1] != 1:
+        raise ValueError(f"{op_name}: {name}'s last dim must have stride 1, got strides "
+                         f"{info.strides}")
+    if not info.writable:
+        raise ValueError(f"{op_name}: {name} is read-only")
+    return info
+
+
+def _scales_per_row(op_name: str, scales: dict) -> set[str]:
+    """The names of the fp8 scales given per row; other strings than ``"per_head"`` refused."""
+    for name, value in scales.items():
+        if isinstance(value, str) and value != PER_HEAD:
+            raise ValueError(f"{op_name}: {name} must be a number, a 0-d / one-element float32 "
+                             f"array, '{PER_HEAD}' or a float32 array of per-row scales, got "
+                             f"{value!r}")
+    return {name for name, value in scales.items() if value is not None and is_per_row(value)}
+
+
+def _plan_row_scales(plan: "FusionPlan", q: ArrayInfo, k: ArrayInfo | None, per_row: set[str],
+                     scales: dict, k_cache_scales, v_cache_scales) -> None:
+    """NVFP4 block scales, and the per-row scales: every fp8 store of a call is scaled per tensor,
+    or every one per row (mixing is refused)."""
+    op_name = plan.op_name
+    if plan.cache_dtype == NVFP4:
+        if per_row & {"k_scale", "v_scale"}:
+            raise ValueError(f"{op_name}: an NVFP4 cache takes one global scale per tensor in "
+                             "k_scale and v_scale (a number or a one-element float32 array); its "
+                             "block scales go in k_cache_scales and v_cache_scales")
+        heads, head_dim = plan.v.shape[1], plan.v.shape[2]
+        plan.k_cache_scales = _block_scales(k_cache_scales, "k_cache_scales", plan, q, heads,
+                                            head_dim)
+        plan.v_cache_scales = _block_scales(v_cache_scales, "v_cache_scales", plan, q, heads,
+                                            head_dim)
+    elif k_cache_scales is not None or v_cache_scales is not None:
+        raise ValueError(f"{op_name}: k_cache_scales and v_cache_scales hold the block scales of "
+                         "an NVFP4 cache (cache_dtype='nvfp4')")
+    if not per_row:
+        return
+    fp8_cache = plan.cache_dtype in FP8_DTYPES
+    if plan.out_dtype is not None and fp8_cache:
+        raise ValueError(f"{op_name}: per-row scales for fp8 outputs and an fp8 cache in one call "
+                         "are not supported (k_scale would name both k_out's scales and the "
+                         "cache's): write the cache with per-row scales here and quantise q with "
+                         "apply_rope(out_dtype=...), or scale per tensor")
+    needed = []  # (scale, expected shape, the rows it scales, C order)
+    if plan.out_dtype is not None:
+        needed.append(("q_scale", q.shape[:-1], "q_out's rows", True))
+        if k is not None:
+            needed.append(("k_scale", k.shape[:-1], "k_out's rows", True))
+    if fp8_cache:
+        heads = plan.v.shape[1]
+        shape = ((plan.num_blocks, plan.block_size, heads) if plan.layout == "NHD"
+                 else (plan.num_blocks, heads, plan.block_size))
+        needed += [("k_scale", shape, "the k cache's rows", False),
+                   ("v_scale", shape, "the v cache's rows", False)]
+    for name, shape, what, contiguous in needed:
+        if name not in per_row:
+            kind = "one per tensor" if scales[name] is not None else "not given"
+            made = f"'{PER_HEAD}' or " if contiguous and op_name != "rope_and_cache" else ""
+            raise ValueError(f"{op_name}: {' and '.join(sorted(per_row))} per (token, head) row "
+                             f"but {name} {kind}: scale every fp8 store of a call per tensor, or "
+                             f"every one per row ({name}: {made}a float32 array of shape "
+                             f"{tuple(shape)})")
+        if len(shape) < 2:
+            raise ValueError(f"{op_name}: per-row scales need q and k with a token dim "
+                             f"([..., heads, head_dim]), got q of shape {q.shape}")
+        setattr(plan, name, _row_scales(scales[name], name, op_name, q, tuple(shape), what,
+                                        contiguous=contiguous))
+    unused = sorted(per_row - {name for name, *_ in needed})
+    if unused:
+        raise ValueError(f"{op_name}: {unused[0]} is per row but this call stores nothing it "
+                         "scales (no k, or no fp8 store)")
+
+
 def _weight(value, name: str, op_name: str, q: ArrayInfo, head_dim: int) -> ArrayInfo:
     info = describe(value, name)
     if info.shape != (head_dim,):
@@ -127,7 +319,8 @@ def _weight(value, name: str, op_name: str, q: ArrayInfo, head_dim: int) -> Arra
 def plan_fusion(op_name: str, q: ArrayInfo, k: ArrayInfo | None, *, q_weight=None, k_weight=None,
                 eps=None, weight_offset=0.0, norm=False, out_dtype=None, q_scale=None,
                 k_scale=None, v=None, k_cache=None, v_cache=None, slot_mapping=None,
-                layout="NHD", v_scale=None, cache_dtype=None) -> FusionPlan:
+                layout="NHD", v_scale=None, cache_dtype=None, k_cache_scales=None,
+                v_cache_scales=None) -> FusionPlan:
     """Check the fused part of a call (see :func:`cupyrope.rms_norm_rope` and
     :func:`cupyrope.rope_and_cache` for the arguments)."""
     if q.dtype not in WEIGHT_DTYPES:
@@ -159,24 +352,32 @@ def plan_fusion(op_name: str, q: ArrayInfo, k: ArrayInfo | None, *, q_weight=Non
     plan.out_dtype = fp8_name(out_dtype, "out_dtype", op_name)
     if plan.out_dtype is None and q_scale is not None:
         raise ValueError(f"{op_name}: q_scale is only used with an fp8 out_dtype")
-    plan.q_scale = _scale(q_scale, "q_scale", op_name, q)
-    plan.k_scale = _scale(k_scale, "k_scale", op_name, q)
+    scales = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
+    per_row = _scales_per_row(op_name, scales)  # checked once the stores are known
+    plan.q_scale = Scale() if "q_scale" in per_row else _scale(q_scale, "q_scale", op_name, q)
+    plan.k_scale = Scale() if "k_scale" in per_row else _scale(k_scale, "k_scale", op_name, q)
 
     if k_cache is None and v_cache is None and v is None and slot_mapping is None:
         if v_scale is not None or cache_dtype is not None:
             raise ValueError(f"{op_name}: v_scale / cache_dtype are only used with a KV cache")
         if plan.out_dtype is None and k_scale is not None:
             raise ValueError(f"{op_name}: k_scale is only used with an fp8 out_dtype or cache")
+        _plan_row_scales(plan, q, k, per_row, scales, k_cache_scales, v_cache_scales)
         return plan
-    _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_scale, cache_dtype)
+    _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout,
+                      None if "v_scale" in per_row else v_scale, cache_dtype,
+                      v_scale_given=v_scale is not None)
     if plan.out_dtype is None and plan.cache_dtype is None and k_scale is not None:
         raise ValueError(f"{op_name}: k_scale is only used with an fp8 out_dtype or an fp8 cache")
+    _plan_row_scales(plan, q, k, per_row, scales, k_cache_scales, v_cache_scales)
     return plan
 
 
 def _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_scale,
-                      cache_dtype) -> None:
+                      cache_dtype, *, v_scale_given: bool = False) -> None:
     op_name = plan.op_name
+    # An NVFP4 cache holds two e2m1 values a byte: head_dim // 2 bytes a row.
+    nvfp4 = isinstance(cache_dtype, str) and cache_dtype == NVFP4
     if any(x is None for x in (k, v, k_cache, v_cache, slot_mapping)):
         raise TypeError(f"{op_name}: k, v, k_cache, v_cache and slot_mapping are all required")
     if len(q.shape) != 3:
@@ -196,6 +397,10 @@ def _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_s
         raise ValueError(f"{op_name}: layout must be one of {LAYOUTS}, got {layout!r}")
     plan.layout = layout
     num_tokens, num_heads, head_dim = k.shape
+    if nvfp4 and head_dim % NVFP4_BLOCK:
+        raise ValueError(f"{op_name}: an NVFP4 cache needs head_dim a multiple of {NVFP4_BLOCK} "
+                         f"(one e4m3 scale per {NVFP4_BLOCK} values), got {head_dim}")
+    width = head_dim // 2 if nvfp4 else head_dim  # elements of a cache row
     caches = []
     for name, value in (("k_cache", k_cache), ("v_cache", v_cache)):
         info = describe(value, name)
@@ -207,12 +412,13 @@ def _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_s
                              f"{info.shape}")
         blocks, size, heads = ((info.shape[0], info.shape[1], info.shape[2]) if layout == "NHD"
                                else (info.shape[0], info.shape[2], info.shape[1]))
-        if heads != num_heads or info.shape[3] != head_dim:
+        if heads != num_heads or info.shape[3] != width:
             other = LAYOUTS[1 - LAYOUTS.index(layout)]
             other_heads = info.shape[1] if other == "HND" else info.shape[2]
-            fits_other = other_heads == num_heads and info.shape[3] == head_dim
+            fits_other = other_heads == num_heads and info.shape[3] == width
+            held = (f"{head_dim} NVFP4 values ({width} bytes)" if nvfp4 else f"{head_dim}")
             raise ValueError(f"{op_name}: {name} of shape {info.shape} does not hold {num_heads} "
-                             f"heads of {head_dim} in layout {_layout_text(layout)}"
+                             f"heads of {held} in layout {_layout_text(layout)}"
                              + (f"; it fits {_layout_text(other)}: pass layout=\"{other}\""
                                 if fits_other else ""))
         if info.strides[-1] != 1:
@@ -229,15 +435,21 @@ def _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_s
         raise TypeError(f"{op_name}: k_cache and v_cache must have one dtype, got {kc.dtype} and "
                         f"{vc.dtype}")
     plan.k_cache, plan.v_cache, plan.num_blocks, plan.block_size = kc, vc, blocks, size
-    named = fp8_name(cache_dtype, "cache_dtype", op_name)
-    if kc.dtype in FP8_DTYPES:
+    named = cache_format_name(cache_dtype, op_name)
+    if named == NVFP4:
+        if kc.dtype != "uint8":
+            raise TypeError(f"{op_name}: NVFP4 caches are uint8 (two e2m1 values a byte), got "
+                            f"{kc.dtype}")
+        plan.cache_dtype = NVFP4
+    elif kc.dtype in FP8_DTYPES:
         if named is not None and named != kc.dtype:
             raise ValueError(f"{op_name}: cache_dtype {named} but the caches are {kc.dtype}")
         plan.cache_dtype = kc.dtype
     elif kc.dtype == "uint8":  # fp8 bits (CuPy has no fp8 dtype; vLLM keeps such caches too)
         if named is None:
             raise TypeError(f"{op_name}: uint8 caches hold fp8 bits: say which format with "
-                            f"cache_dtype='float8_e4m3fn' or 'float8_e5m2'")
+                            f"cache_dtype='float8_e4m3fn' or 'float8_e5m2' (or 'nvfp4' for "
+                            "NVFP4 caches)")
         plan.cache_dtype = named
     elif kc.dtype == q.dtype:
         if named is not None:
@@ -246,7 +458,7 @@ def _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_s
     else:
         raise TypeError(f"{op_name}: the caches must have q's dtype {q.dtype}, an fp8 dtype, or "
                         f"uint8 with cache_dtype, got {kc.dtype}")
-    if plan.cache_dtype is None and v_scale is not None:
+    if plan.cache_dtype is None and (v_scale is not None or v_scale_given):
         raise ValueError(f"{op_name}: v_scale is only used with an fp8 cache")
     plan.v_scale = _scale(v_scale, "v_scale", op_name, q)
 
@@ -267,7 +479,8 @@ def _layout_text(layout: str) -> str:
 
 
 def check_written_alone(plan: FusionPlan, rope_operands) -> None:
-    """The caches are written by the launch: neither may share an element with any operand."""
+    """The caches (and the scale arrays the call writes) are written by the launch: none may
+    share an element with any operand."""
     operands = list(rope_operands) + plan.operands()
     for written in ("k_cache", "v_cache"):
         info = dict(operands).get(written)
@@ -277,6 +490,11 @@ def check_written_alone(plan: FusionPlan, rope_operands) -> None:
             if other != written and shares_memory(info, other_info):
                 raise ValueError(f"{plan.op_name}: {written} shares memory with {other}: pass a "
                                  "cache that no other argument overlaps")
+    for written, info in plan.written_scales():
+        for other, other_info in operands:
+            if other_info is not info and shares_memory(info, other_info):
+                raise ValueError(f"{plan.op_name}: {written} shares memory with {other}: pass "
+                                 "scale arrays that no other argument overlaps")
 
 
 def check_slot_values(plan: FusionPlan) -> None:

@@ -12,9 +12,9 @@ from .abi import AngleSource
 from .arrays import host_view
 from .dtypes import compute_dtype, numpy_dtype
 from .frequencies import cos_sin_table
-from .fused_plan import FP8_MAX
+from .fused_plan import E2M1_MAX, FP8_MAX, NVFP4, NVFP4_BLOCK
 from .mrope import MROPE_NONE, mrope_components
-from .plan import RopePlan
+from .plan import RopePlan, check_dense_heads
 
 
 def _token_view(table: np.ndarray, strides: tuple[int, ...], token_shape, columns) -> np.ndarray:
@@ -125,15 +125,68 @@ def store_as(values: np.ndarray, dtype: str, scale: float = 1.0) -> np.ndarray:
 
 
 def _write(out: np.ndarray, index, values: np.ndarray, dtype: str, scale: float) -> None:
-    stored = store_as(values, dtype, scale)
-    if out.dtype == np.uint8:  # fp8 bits in a uint8 array
+    _put(out, index, store_as(values, dtype, scale))
+
+
+def _put(out: np.ndarray, index, stored: np.ndarray) -> None:
+    if out.dtype == np.uint8 and stored.dtype != np.uint8:  # fp8 bits in a uint8 array
         stored = stored.view(np.uint8)
     out[index] = stored
+
+
+def store_per_row(values: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(stored, scales): float32 rows (last axis) as fp8 ``dtype``, each with its own scale, as
+    the kernels do (kernels_cu/quantize.cuh): ``scale = amax / the format's largest value``
+    (float32 division; at least the smallest normal float32, so an all-zero row stores zeros
+    with scale 2^-126), then ``value * (1 / scale)`` as :func:`store_as`. A NaN makes its row's
+    scale NaN."""
+    amax = np.max(np.abs(values), axis=-1)
+    scales = amax / np.float32(FP8_MAX[dtype])
+    tiny = np.finfo(np.float32).tiny
+    scales = np.where(scales < tiny, tiny, scales).astype(np.float32)
+    limit = np.float32(FP8_MAX[dtype])
+    inverse = np.float32(1) / scales
+    stored = np.clip(values * inverse[..., None], -limit, limit).astype(numpy_dtype(dtype))
+    return stored, scales
+
+
+def e2m1_codes(values: np.ndarray) -> np.ndarray:
+    """uint8 e2m1 codes of float32 values in [-6, 6], rounded to nearest even onto {0, 0.5, 1,
+    1.5, 2, 3, 4, 6} (each threshold passed adds one code; ties go to the even code), sign in
+    bit 3."""
+    a = np.abs(values)
+    codes = ((a > 0.25).astype(np.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
+             + (a >= 3.5) + (a > 5.0)).astype(np.uint8)
+    return codes | (np.signbit(values).astype(np.uint8) << 3)
+
+
+def nvfp4_quantize(values: np.ndarray, global_scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """(packed, block_scales): float32 rows (last axis, a multiple of 16) in NVFP4 as the
+    kernels store them: per 16 values, the e4m3 block scale ``s = e4m3((amax / 6) * (1 / g))``
+    (saturated at 448), and the e2m1 codes of ``x * (1 / (s * g))`` clamped to +-6, two per
+    byte, the even value in the low nibble (uint8, last axis halved); block scales as uint8 e4m3
+    bits. ``g`` is the float32 global scale: a reader dequantises ``e2m1 * s * g``."""
+    g = np.float32(global_scale)
+    blocks = values.reshape(values.shape[:-1] + (values.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK))
+    amax = np.max(np.abs(blocks), axis=-1)
+    block_scale = (amax / np.float32(E2M1_MAX)) * (np.float32(1) / g)
+    scales = np.minimum(block_scale, np.float32(FP8_MAX["float8_e4m3fn"])).astype(
+        numpy_dtype("float8_e4m3fn"))
+    scale_values = scales.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        to_grid = np.where(scale_values == 0, np.float32(0),
+                           np.float32(1) / (scale_values * g)).astype(np.float32)
+        scaled = blocks * to_grid[..., None]
+    limit = np.float32(E2M1_MAX)
+    codes = e2m1_codes(np.fmin(np.fmax(scaled, -limit), limit)).reshape(values.shape)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.astype(np.uint8), scales.view(np.uint8)
 
 
 def fused_on_host(plan: RopePlan, outputs) -> None:
     """A fused call on the CPU: RMSNorm of each head (float32), the rotation, the stores to the
     outputs (input dtype or fp8) and to the KV cache, with the kernels' arithmetic."""
+    check_dense_heads(plan)  # as the fused kernels, so that both paths accept the same calls
     f = plan.fusion
     cos, sin = cos_sin_per_token(plan)
     cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
@@ -145,7 +198,7 @@ def fused_on_host(plan: RopePlan, outputs) -> None:
     out_dtype = f.out_dtype or plan.q.dtype
     write_pass = not plan.inplace or f.norm or f.out_dtype is not None
     inputs = [plan.q] + ([plan.k] if plan.k is not None else [])
-    scales = [f.q_scale.value, f.k_scale.value]
+    scales = [f.q_scale, f.k_scale]
     rotated = []
     for which, (info, out) in enumerate(zip(inputs, outputs)):
         x = np.asarray(host_view(info)).astype(np.float32)
@@ -160,7 +213,12 @@ def fused_on_host(plan: RopePlan, outputs) -> None:
         y[..., second] = x2 * cos + x1 * sin
         rotated.append(y)
         columns = slice(None) if write_pass else slice(0, r)
-        _write(out, (Ellipsis, columns), y[..., columns], out_dtype, scales[which])
+        if f.out_dtype is not None and scales[which].rows is not None:  # fp8, a scale a row
+            stored, row_scales = store_per_row(y, out_dtype)
+            _put(out, Ellipsis, stored)
+            np.asarray(host_view(scales[which].rows))[...] = row_scales
+        else:
+            _write(out, (Ellipsis, columns), y[..., columns], out_dtype, scales[which].value)
     if f.writes_cache:
         _write_cache(plan, rotated[1])
 
@@ -175,5 +233,20 @@ def _write_cache(plan: RopePlan, k_rotated: np.ndarray) -> None:
     index = (blocks, within) if f.layout == "NHD" else (blocks, slice(None), within)
     dtype = f.cache_dtype or plan.q.dtype
     v = np.asarray(host_view(f.v)).astype(np.float32)
+    if f.cache_dtype == NVFP4:
+        for cache, block_scales, rows, scale in (
+                (f.k_cache, f.k_cache_scales, k_rotated[valid], f.k_scale),
+                (f.v_cache, f.v_cache_scales, v[valid], f.v_scale)):
+            packed, scale_bits = nvfp4_quantize(rows, scale.value)
+            np.asarray(host_view(cache))[index] = packed
+            np.asarray(host_view(block_scales)).view(np.uint8)[index] = scale_bits
+        return
+    if f.v_scale.rows is not None:  # fp8 with a scale per (slot, head) row
+        for cache, rows, scale in ((f.k_cache, k_rotated[valid], f.k_scale),
+                                   (f.v_cache, v[valid], f.v_scale)):
+            stored, row_scales = store_per_row(rows, dtype)
+            _put(np.asarray(host_view(cache)), index, stored)
+            np.asarray(host_view(scale.rows))[index] = row_scales
+        return
     _write(np.asarray(host_view(f.k_cache)), index, k_rotated[valid], dtype, f.k_scale.value)
     _write(np.asarray(host_view(f.v_cache)), index, v[valid], dtype, f.v_scale.value)

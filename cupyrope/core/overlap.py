@@ -51,6 +51,39 @@ def byte_span(info: ArrayInfo) -> tuple[int, int]:
     return span
 
 
+def overlaps_itself(info: ArrayInfo) -> bool:
+    """True when two different indices of ``info`` reach the same element (exact; never reads it).
+
+    Dims of one element and empty arrays reach nothing twice. When the dims, by |stride|, each
+    step past everything the smaller ones span (every dense or sliced layout), no index repeats.
+    Otherwise: indices i != j meet iff, at the first dim k where they differ, the block with
+    ``i_k`` in [1, n_k) and the later dims free shares an element with the block at ``i_k = 0``
+    (every dim before k fixed), which :func:`shares_memory` decides exactly for each k.
+    """
+    if info.size == 0:
+        return False
+    span = 0  # the largest offset the smaller dims reach together
+    for stride, size in sorted(zip(map(abs, info.strides), info.shape)):
+        if size > 1:
+            if stride <= span:
+                break
+            span += (size - 1) * stride
+    else:
+        return False
+    itemsize = ITEMSIZE[info.dtype]
+    ptr = info.ptr or itemsize * (1 << 40)  # traced arrays have no memory: any far address
+    for k, (size, stride) in enumerate(zip(info.shape, info.strides)):
+        if size < 2:
+            continue
+        later_shape, later_strides = info.shape[k + 1:], info.strides[k + 1:]
+        moved = ArrayInfo(None, info.kind, info.device, ptr + stride * itemsize,
+                          (size - 1,) + later_shape, (stride,) + later_strides, info.dtype)
+        fixed = ArrayInfo(None, info.kind, info.device, ptr, later_shape, later_strides, info.dtype)
+        if shares_memory(moved, fixed):
+            return True
+    return False
+
+
 def shares_memory(a: ArrayInfo, b: ArrayInfo) -> bool:
     """True when ``a`` and ``b`` have an element in common (exact; never reads them)."""
     if a.size == 0 or b.size == 0 or a.device != b.device or not a.ptr or not b.ptr:

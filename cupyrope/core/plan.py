@@ -15,7 +15,7 @@ from .arrays import ArrayInfo, describe, in_place_refusal, to_host
 from .dtypes import FLOAT_DTYPES, ITEMSIZE, POSITION_DTYPES
 from .mrope import MROPE_NONE, mrope_layout
 from .scaling import as_dict
-from .overlap import shares_memory
+from .overlap import overlaps_itself, shares_memory
 from .schedules import (DEFAULT_THETA, SEQ_LEN_SCHEDULES, compute_frequencies, rotary_dim_for,
                         scaling_type)
 from .validators import check_bool, check_rotary_dim, check_theta, is_integer
@@ -114,15 +114,49 @@ def _check_same_device(info: ArrayInfo, q: ArrayInfo, name: str, op_name: str) -
 
 
 def _check_rotated(info: ArrayInfo, name: str, op_name: str) -> None:
+    # Any strides, the last dim's included: a head whose elements are not adjacent takes the
+    # kernels' scalar path (refused by the fused ops: check_dense_heads).
     if info.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op_name}: {name} must be one of {FLOAT_DTYPES}, got {info.dtype}")
     if info.ndim < 2:
         raise ValueError(f"{op_name}: {name} must have shape [..., heads, head_dim], got {info.shape}")
-    # Empty arrays have nothing to index (NumPy and torch may report any strides for them).
-    if info.shape[-1] > 1 and info.strides[-1] != 1 and info.size > 0:
+
+
+def has_dense_heads(info: ArrayInfo) -> bool:
+    """Stride 1 in the last dim (head_dim), or nothing to index (NumPy and torch may report any
+    strides for an empty array or a dim of one element)."""
+    return info.strides[-1] == 1 or info.shape[-1] <= 1 or info.size == 0
+
+
+def check_dense_heads(plan: RopePlan) -> None:
+    """The fused kernels (RMSNorm, fp8 outputs, the KV-cache write) address a head's elements
+    as adjacent: q and k must have stride 1 in their last dim. Raises ValueError saying what to
+    pass instead."""
+    for name, info in (("q", plan.q), ("k", plan.k)):
+        if info is not None and not has_dense_heads(info):
+            raise ValueError(
+                f"{plan.op_name}: {name} must have stride 1 in its last dim (head_dim) for the fused "
+                f"ops (RMSNorm, fp8 outputs, the KV-cache write), got strides {info.strides}; pass "
+                f"a dense copy ({name}.contiguous() in torch, ascontiguousarray in NumPy / CuPy), "
+                "or rotate with apply_rope, which takes any stride"
+            )
+
+
+def _check_written_layout(info: ArrayInfo, name: str, op_name: str, prefix: str) -> None:
+    """An array the launch writes must not give two indices the same element: a zero stride, or
+    strides that make rows or heads interleave onto each other (possible once the last dim is
+    strided), would write one element twice with different values."""
+    if info.size > 0 and any(stride == 0 and size > 1
+                             for size, stride in zip(info.shape, info.strides)):
         raise ValueError(
-            f"{op_name}: {name} must have stride 1 in its last dim (head_dim), got strides "
-            f"{info.strides}; every other stride may be anything"
+            f"{op_name}: {prefix}{name} has a zero stride (shape {info.shape}, strides "
+            f"{info.strides}), so its elements alias each other"
+        )
+    if overlaps_itself(info):
+        raise ValueError(
+            f"{op_name}: {prefix}{name} of shape {info.shape} has strides {info.strides} under "
+            "which two of its indices reach the same element, so a write would clobber one of "
+            "them; pass an array whose indices reach distinct elements"
         )
 
 
@@ -134,12 +168,7 @@ def _check_inplace_target(info: ArrayInfo, name: str, op_name: str) -> None:
     refusal = in_place_refusal(info)
     if refusal is not None:
         raise RuntimeError(f"{op_name}: inplace=True but {name} {refusal}")
-    if info.size > 0 and any(stride == 0 and size > 1
-                             for size, stride in zip(info.shape, info.strides)):
-        raise ValueError(
-            f"{op_name}: inplace=True but {name} has a zero stride (shape {info.shape}, strides "
-            f"{info.strides}), so its elements alias each other"
-        )
+    _check_written_layout(info, name, op_name, "inplace=True but ")
 
 
 def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=None,
@@ -237,8 +266,8 @@ def plan_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=No
 
 def plan_outputs(plan: RopePlan, out) -> list[ArrayInfo]:
     """The ``out=`` arrays of a call, checked: q_out (and k_out when k is given), each of its
-    input's array type, shape, dtype and device, unit stride in the last dim, writable, with no
-    aliased elements, sharing no element with an operand or with each other. Returns their
+    input's array type, shape, dtype and device (any strides), writable, with no aliased
+    elements, sharing no element with an operand or with each other. Returns their
     descriptions (what the launch writes)."""
     names = ("q_out", "k_out")[:1 if plan.k is None else 2]
     if plan.k is None and not isinstance(out, (tuple, list)):
@@ -262,14 +291,10 @@ def plan_outputs(plan: RopePlan, out) -> list[ArrayInfo]:
                 f"apply_rope: {name} must have {name[0]}'s shape, dtype and device ("
                 f"{like.shape}, {like.dtype}, {like.where()}), got ({info.shape}, {info.dtype}, "
                 f"{info.where()})")
-        _check_rotated(info, name, "apply_rope")  # the last dim's unit stride
         refusal = in_place_refusal(info)
         if refusal is not None:
             raise RuntimeError(f"apply_rope: {name} {refusal}")
-        if info.size > 0 and any(stride == 0 and size > 1
-                                 for size, stride in zip(info.shape, info.strides)):
-            raise ValueError(f"apply_rope: {name} has a zero stride (shape {info.shape}, strides "
-                             f"{info.strides}), so its elements alias each other")
+        _check_written_layout(info, name, "apply_rope", "")
         if info.on_gpu and info.ptr % ITEMSIZE[info.dtype]:
             raise ValueError(f"apply_rope: {name}'s data pointer {info.ptr:#x} is not a multiple of "
                              f"its element size ({ITEMSIZE[info.dtype]} bytes)")

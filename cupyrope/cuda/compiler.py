@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.abi import AngleSource
+from ..core.abi import AngleSource, StoreFormat
 from ..core.arrays import cupy_module
 from ..core.dtypes import CUDA_TYPE_NAMES, FLOAT_DTYPES, dtype_name_of, refused_dtype_error
 
@@ -43,12 +43,16 @@ class KernelSpec:
     norm: bool = False  # RMSNorm before the rotation
     cache: bool = False  # the k / v cache write
     decode: bool = False  # rope_decode_kernel: few tokens, one thread per (token, head, chunk)
+    # rope_fused_rows_kernel: the general fused kernel with stores quantised per row (per-(token,
+    # head) fp8 scales, NVFP4 caches: kernels_cu/quantize.cuh)
+    rows: bool = False
 
     @property
     def name_expression(self) -> str:
         """The instantiation, which is also this specialisation's key in the compiled module."""
         kernel = ("rope_decode_kernel" if self.decode else
                   "rope_fused_lean_kernel" if self.fused and self.lean else
+                  "rope_fused_rows_kernel" if self.fused and self.rows else
                   "rope_fused_kernel" if self.fused else
                   "rope_lean_kernel" if self.lean else "rope_kernel")
         flags = (self.vector, self.interleaved)
@@ -99,14 +103,64 @@ def _fused_specialisations() -> tuple[KernelSpec, ...]:
         specs.append(KernelSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED, wide,
                                 fused=True))
     # The lean fused kernels: 16-byte accesses and 32-bit offsets, one per set of fusions.
-    specs += [dataclasses.replace(spec, lean=True, norm=norm, cache=cache)
-              for spec in specs if spec.vector and not spec.wide_index
-              for norm, cache in itertools.product((False, True), repeat=2)]
-    return tuple(specs)
+    lean = [dataclasses.replace(spec, lean=True, norm=norm, cache=cache)
+            for spec in specs if spec.vector and not spec.wide_index
+            for norm, cache in itertools.product((False, True), repeat=2)]
+    # Stores quantised per row: every layout of the general fused kernel.
+    rows = [dataclasses.replace(spec, rows=True) for spec in specs]
+    return tuple(specs + lean + rows)
 
 
 FUSED_SPECIALISATIONS: tuple[KernelSpec, ...] = _fused_specialisations()
 ALL_SPECIALISATIONS = SPECIALISATIONS + FUSED_SPECIALISATIONS
+
+
+# ------------------------------------------------------------------------------------------------
+# rerotate_cache (kernels_cu/rerotate.cuh): one kernel per cache format.
+
+# The cache formats a re-rotation reads and writes: (C++ element type, StoreFormat).
+RERO_CACHE_TYPES = {
+    "float16": ("cupyrope::half_t", StoreFormat.INPUT),
+    "bfloat16": ("cupyrope::bfloat16_t", StoreFormat.INPUT),
+    "float32": ("float", StoreFormat.INPUT),
+    "float8_e4m3fn": ("unsigned char", StoreFormat.E4M3),
+    "float8_e5m2": ("unsigned char", StoreFormat.E5M2),
+}
+
+
+@dataclass(frozen=True)
+class RerotateSpec:
+    """One instantiation of ``cupyrope::rerotate_cache_kernel``."""
+
+    dtype: str  # the cache's element format (a key of RERO_CACHE_TYPES)
+    table_dtype: str  # cos_sin_cache dtype (float32 placeholder for computed angles)
+    vector: bool  # 16-byte accesses (else one element at a time)
+    interleaved: bool  # GPT-J pairing (else NeoX)
+    source: AngleSource  # CACHE_TABLE (row = delta) or COMPUTED
+
+    @property
+    def name_expression(self) -> str:
+        element, store_format = RERO_CACHE_TYPES[self.dtype]
+        return (f"cupyrope::rerotate_cache_kernel<{element}, {CUDA_TYPE_NAMES[self.table_dtype]}, "
+                f"{str(self.vector).lower()}, {str(self.interleaved).lower()}, "
+                f"{int(self.source)}, {int(store_format)}>")
+
+
+def _rerotate_specialisations() -> tuple[RerotateSpec, ...]:
+    """Every cache format, both widths and pairings; computed angles, and cos_sin_cache tables of
+    float32 or (16-bit caches) the cache's own dtype, as for the fused kernel."""
+    specs = []
+    for dtype, vector, interleaved in itertools.product(RERO_CACHE_TYPES, (True, False),
+                                                        (False, True)):
+        tables = dict.fromkeys(("float32", dtype if dtype in CUDA_TYPE_NAMES else "float32"))
+        specs += [RerotateSpec(dtype, table, vector, interleaved, AngleSource.CACHE_TABLE)
+                  for table in tables]
+        specs.append(RerotateSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED))
+    return tuple(specs)
+
+
+RERO_SPECIALISATIONS: tuple[RerotateSpec, ...] = _rerotate_specialisations()
+ALL_SPECIALISATIONS = ALL_SPECIALISATIONS + RERO_SPECIALISATIONS
 
 
 def kernel_source_dir() -> Path:
@@ -391,3 +445,4 @@ def clear_cache() -> None:
         _locks.clear()
     _read_sources.cache_clear()
     _setting_in_use.cache_clear()
+

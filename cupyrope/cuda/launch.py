@@ -20,12 +20,13 @@ import numpy as np
 from . import dependent_launch
 from ..core.abi import (DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, MAX_TOKEN_DIMS, PARAMS_DTYPE,
                   THREADS_PER_BLOCK, AngleSource, StoreFormat, WeightDtype, access_layout)
-from ..core.arrays import ArrayInfo, cupy_module, stream_is_capturing, upload
+from ..core.arrays import ArrayInfo, cupy_module, mark_written, stream_is_capturing, upload
 from ..core.dtypes import ITEMSIZE
 from ..core.fused_plan import STORE_FORMATS
-from .compiler import KernelSpec, get_kernel, is_compiled
+from .compiler import KernelSpec, RerotateSpec, get_kernel, is_compiled
 from .compiler import angle_arithmetic as device_angle_arithmetic
-from ..core.plan import RopePlan
+from ..core.plan import RopePlan, check_dense_heads, has_dense_heads
+from ..core.rerotate import RERO_PARAMS_DTYPE, RerotatePlan, plan_rerotate, rerotate_on_host
 from .recipes import LaunchRecipe
 
 # CUDA's grid limits (every GPU since compute capability 3.0).
@@ -56,6 +57,8 @@ def merge_token_dims(shape: tuple[int, ...], strides: list[tuple[int, ...]]):
 
 
 def _vector_path_ok(plan: RopePlan, operands: list[ArrayInfo], token_strides, copy_pass) -> bool:
+    if not all(has_dense_heads(info) for info in operands):
+        return False  # the scalar path takes any stride between a head's elements
     itemsize = ITEMSIZE[plan.q.dtype]
     access, _ = access_layout(itemsize, True, plan.interleaved)
     r, half = plan.rotary_dim, plan.rotary_dim // 2
@@ -292,6 +295,8 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
     (``cupyrope.cuda.compiler.angle_arithmetic``; None: unknown, computed angles stay on the lean
     kernel).
     """
+    if plan.fusion is not None:
+        check_dense_heads(plan)  # the fused kernels read and write whole, dense heads
     q_out = outputs[0]
     k_out = outputs[1] if plan.k is not None else None
     k = plan.k
@@ -328,8 +333,10 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
         p[name][:len(shape)] = strides
     p["positions_token_stride"][:len(shape)] = positions_strides
     p["q_head_stride"], p["q_out_head_stride"] = plan.q.strides[-2], q_out.strides[-2]
+    p["q_dim_stride"], p["q_out_dim_stride"] = plan.q.strides[-1], q_out.strides[-1]
     if k is not None:
         p["k_head_stride"], p["k_out_head_stride"] = k.strides[-2], k_out.strides[-2]
+        p["k_dim_stride"], p["k_out_dim_stride"] = k.strides[-1], k_out.strides[-1]
     p["num_q_heads"], p["num_k_heads"] = plan.num_q_heads, plan.num_k_heads
     p["head_dim"], p["rotary_dim"] = plan.head_dim, plan.rotary_dim
     p["copy_pass_through"] = copy_pass
@@ -376,14 +383,16 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
             _norm_weights_vector_ok(fusion))
         spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
                           wide_index, lean, fused=True, norm=lean and fusion.norm,
-                          cache=lean and fusion.writes_cache)
+                          cache=lean and fusion.writes_cache, rows=fusion.row_scaled)
         ring = not lean and fused_ring(plan, fusion, vector)
         fusion_params = fusion_struct(plan, fusion, copy_pass)
         fusion_params["ring"] = ring
         extra_heads = plan.num_k_heads if fusion.writes_cache else 0
         block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
                                       multiprocessors, extra_heads=extra_heads,
-                                      power_of_two_lanes=fusion.norm)
+                                      power_of_two_lanes=fusion.norm or fusion.row_scaled)
+        if fusion.row_scaled:
+            block, grid = fit_row_buffers(plan, fusion, block, grid)
         shared_bytes = 0 if lean else fused_shared_bytes(plan, fusion, ring, block)
         return LaunchSpec(spec, p, grid, block, shared_bytes, pointers, sin_offset, vector,
                           fusion_params)
@@ -414,6 +423,7 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
     layout."""
     device = plan.device
     if plan.fusion is not None:
+        check_dense_heads(plan)  # what to pass instead, before what the device lacks
         check_fp8_support(plan)
     capturing = stream_is_capturing(plan.q.obj, device)
     inv_freq = None
@@ -437,6 +447,9 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
                           fusion_params=spec.fusion_params,
                           dependent=dependent_launch_applies(plan, spec.kernel))
     recipe.launch(plan.q.obj, *spec.pointers)
+    if plan.fusion is not None and plan.fusion.row_scaled:
+        # Its scale arrays are no repeat-call operands: every such call takes the full path.
+        return None
     return recipe
 
 
@@ -543,7 +556,8 @@ def fused_lean_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_
     return (lean_kernel_applies(plan, vector=vector, wide_index=wide_index, token_ndim=token_ndim,
                                 table_vector_ok=table_vector_ok)
             and plan.rotary_dim == plan.head_dim and (plan.rotary_dim // 2) // pairs <= 32
-            and plan.head_dim % 4 == 0)
+            and plan.head_dim % 4 == 0
+            and not (plan.fusion is not None and plan.fusion.row_scaled))  # rows: general kernel
 
 
 def _norm_weights_vector_ok(fusion) -> bool:
@@ -555,14 +569,37 @@ def _norm_weights_vector_ok(fusion) -> bool:
 
 def fused_ring(plan: RopePlan, fusion, vector: bool) -> bool:
     return (vector and (fusion.norm or fusion.writes_cache)
-            and plan.num_tokens >= FUSED_RING_MIN_TOKENS)
+            and plan.num_tokens >= FUSED_RING_MIN_TOKENS
+            and not fusion.row_scaled)  # rows are gathered instead (kernels_cu/fused.cuh)
 
 
 def fused_shared_bytes(plan: RopePlan, fusion, ring: bool, block) -> int:
     """Dynamic shared memory of a fused launch: the ring of chunks in flight (when used), then
-    the norm weights of q and k as float32."""
+    the norm weights of q and k as float32, then (stores quantised per row) a row of head_dim
+    float32 per head lane group (blockDim.y x blockDim.z)."""
     ring_bytes = FUSED_RING_BYTES_PER_THREAD * block[0] * block[1] * block[2] if ring else 0
-    return ring_bytes + (2 * plan.head_dim * 4 if fusion.norm else 0)
+    row_bytes = 4 * plan.head_dim * block[1] * block[2] if fusion.row_scaled else 0
+    return ring_bytes + (2 * plan.head_dim * 4 if fusion.norm else 0) + row_bytes
+
+
+def fit_row_buffers(plan: RopePlan, fusion, block, grid):
+    """(block, grid) of a row-scaled fused launch whose row buffers fit the shared memory a
+    launch may use without opting in: fewer tokens a block, then fewer heads, where the
+    geometry's would not (the kernel strides over tokens and heads, so any grid covers them)."""
+    rows = (MAX_SHARED_ANGLE_BYTES - fused_shared_bytes(plan, fusion, False, (0, 0, 0))) // (
+        4 * plan.head_dim)
+    if rows < 1:
+        raise ValueError(f"{fusion.op_name}: head_dim {plan.head_dim} is too large for stores "
+                         "quantised per row (a row of it must fit in 48 KiB of shared memory)")
+    lanes, heads, tokens = block
+    if heads * tokens <= rows:
+        return block, grid
+    head_lanes = heads * grid[1]
+    heads = min(heads, rows)
+    tokens = max(1, rows // heads)
+    return ((lanes, heads, tokens),
+            (min(-(-plan.num_tokens // tokens), MAX_GRID_X), min(-(-head_lanes // heads),
+                                                                 MAX_GRID_Y)))
 
 
 def fusion_touches_pass_through(fusion) -> bool:
@@ -595,6 +632,7 @@ def fusion_struct(plan: RopePlan, fusion, copy_pass: bool) -> np.ndarray:
         f["weight_dtype"] = WeightDtype[fusion.q_weight.dtype.upper()]
         f["eps"], f["weight_offset"] = fusion.eps, fusion.weight_offset
     f["out_format"] = STORE_FORMATS.get(fusion.out_dtype, StoreFormat.INPUT)
+    _row_scale_fields(f, fusion)
     for name in ("q_scale", "k_scale", "v_scale"):
         scale = getattr(fusion, name)
         if scale is not None:
@@ -616,6 +654,29 @@ def fusion_struct(plan: RopePlan, fusion, copy_pass: bool) -> np.ndarray:
     return f
 
 
+def _row_scale_fields(f: np.ndarray, fusion) -> None:
+    """The FusionParams fields of stores quantised per row: the output rows' scale arrays (C
+    order: a token's heads side by side), the caches' per-row scales or NVFP4 block scales
+    (block, slot, head strides in the cache's layout)."""
+    f["row_scaled"] = fusion.row_scaled
+    outputs = fusion.out_dtype is not None  # per-row k_scale: k_out's rows, else the cache's
+    for name, scale in (("q", fusion.q_scale), ("k", fusion.k_scale)):
+        rows = None if scale is None else scale.rows
+        if rows is not None and (name == "q" or outputs):
+            f[f"{name}_out_scales"] = rows.ptr
+            f[f"{name}_out_scales_token_stride"], f[f"{name}_out_scales_head_stride"] = (
+                rows.shape[-1], 1)
+    k_rows = None if outputs or fusion.k_scale is None else fusion.k_scale.rows
+    v_rows = None if fusion.v_scale is None else fusion.v_scale.rows
+    caches = (("k", k_rows if fusion.k_cache_scales is None else fusion.k_cache_scales),
+              ("v", v_rows if fusion.v_cache_scales is None else fusion.v_cache_scales))
+    for name, info in caches:
+        if info is not None:
+            f[f"{name}_cache_scales"] = info.ptr
+            (f[f"{name}_cache_scales_block_stride"], f[f"{name}_cache_scales_slot_stride"],
+             f[f"{name}_cache_scales_head_stride"]) = fusion.cache_strides(info)
+
+
 # fp8 conversion instructions (cvt ... e4m3x2 / e5m2x2) arrive with compute capability 8.9.
 FP8_MIN_COMPUTE_CAPABILITY = 89
 
@@ -624,8 +685,8 @@ def check_fp8_support(plan: RopePlan) -> None:
     """fp8 stores need the conversion instructions of compute capability 8.9+: refuse before
     launching elsewhere."""
     fusion = plan.fusion
-    if fusion.out_dtype is None and fusion.cache_dtype is None:
-        return
+    if fusion.out_dtype is None and fusion.cache_dtype in (None, "nvfp4"):
+        return  # NVFP4 converts by hand where the hardware cannot (kernels_cu/quantize.cuh)
     capability = _compute_capability(plan.device)
     if capability < FP8_MIN_COMPUTE_CAPABILITY:
         raise RuntimeError(
@@ -637,3 +698,119 @@ def check_fp8_support(plan: RopePlan) -> None:
 @functools.lru_cache(maxsize=None)
 def _compute_capability(device: int) -> int:
     return int(cupy_module().cuda.Device(device).compute_capability)
+
+
+# ------------------------------------------------------------------------------------------------
+# rerotate_cache (kernels_cu/rerotate.cuh): the cached keys of named slots rotated in place.
+
+
+def _rerotate_vector_ok(plan: RerotatePlan) -> bool:
+    """16-byte accesses: the rotated dims split into whole accesses (NeoX: each half), and the
+    cache's pointer and block, row and head strides aligned to them."""
+    access, _ = access_layout(ITEMSIZE[plan.cache_dtype], True, plan.rope.interleaved)
+    r = plan.rope.rotary_dim
+    if (r if plan.rope.interleaved else r // 2) % access:
+        return False
+    return plan.cache.ptr % 16 == 0 and all(s % access == 0 for s in plan.cache_strides())
+
+
+def plan_rerotate_launch(plan: RerotatePlan, *, inv_freq_ptr: int = 0,
+                         num_regs: Callable[[RerotateSpec], int],
+                         multiprocessors: int) -> LaunchSpec:
+    """The one launch that re-rotates the slots of ``plan``: a ``RopeParams`` holding the angle
+    source (cos_sin_cache rows indexed by the delta, or ``inv_freq`` for computed angles) and a
+    ``RerotateParams`` holding the cache, slots and deltas. Geometry as the rope kernels': lanes
+    over a head's chunks, heads, slots."""
+    rope = plan.rope
+    vector = _rerotate_vector_ok(plan)
+    access, pairs = access_layout(ITEMSIZE[plan.cache_dtype], vector, rope.interleaved)
+    p = np.zeros((), dtype=PARAMS_DTYPE)
+    p["num_tokens"] = plan.num_slots
+    p["num_q_heads"] = plan.num_heads
+    p["head_dim"], p["rotary_dim"] = plan.head_dim, rope.rotary_dim
+    p["sin_sign"] = 1.0
+    p["attention_factor"] = rope.attention_factor
+    table_dtype, cos_ptr, sin_ptr, sin_offset = "float32", 0, 0, None
+    if rope.source == AngleSource.COMPUTED:
+        p["inv_freq"] = inv_freq_ptr
+    else:
+        table = rope.cache
+        table_dtype = table.dtype
+        cos_ptr = table.ptr
+        sin_offset = (rope.rotary_dim // 2) * table.strides[1] * ITEMSIZE[table.dtype]
+        sin_ptr = cos_ptr + sin_offset
+        p["table_row_stride"], p["max_position"] = table.strides[0], table.shape[0]
+        p["cos_col_stride"], p["sin_col_stride"] = rope.cos_col_stride, rope.sin_col_stride
+        p["table_vector_ok"] = _table_vector_ok(rope, pairs, cos_ptr, sin_ptr, [table.strides[0]])
+    p["cos"], p["sin"] = cos_ptr, sin_ptr
+
+    r = np.zeros((), dtype=RERO_PARAMS_DTYPE)
+    r["cache"], r["slots"] = plan.cache.ptr, plan.slots.ptr
+    r["num_slots"] = plan.num_slots
+    r["slots_are_int64"], r["slot_stride"] = plan.slots.dtype == "int64", plan.slots.strides[0]
+    if plan.delta is not None:
+        r["delta"], r["delta_is_int64"] = plan.delta.ptr, plan.delta.dtype == "int64"
+        r["delta_stride"] = plan.delta_stride
+    r["delta_value"] = plan.delta_value
+    r["cache_slots"], r["block_size"] = plan.cache_slots, plan.block_size
+    r["block_stride"], r["row_stride"], r["head_stride"] = plan.cache_strides()
+    r["num_heads"] = plan.num_heads
+    r["scale_value"] = plan.scale.value
+    if plan.scale.array is not None:
+        r["scale"] = plan.scale.array.ptr
+
+    spec = RerotateSpec(plan.cache_dtype, table_dtype, vector, rope.interleaved, rope.source)
+    block, grid = launch_geometry(rope, access, pairs, False, num_regs(spec), multiprocessors)
+    return LaunchSpec(spec, p, grid, block, 0, (0, 0, 0, 0, 0, cos_ptr, sin_ptr), sin_offset,
+                      vector, fusion_params=r)
+
+
+def rerotate_on_gpu(plan: RerotatePlan) -> LaunchRecipe:
+    """Launch the re-rotation of a checked plan on the cache's device, on the caller's stream (no
+    allocation, no synchronisation: capturable once its kernel is compiled and, for computed
+    angles, its frequencies are on the device)."""
+    device = plan.cache.device  # fp8 caches on any GPU: rerotate.cuh converts in software below 8.9
+    capturing = stream_is_capturing(plan.cache.obj, device)
+
+    def needs_warmup(what: str) -> str:
+        return (f"{plan.op_name}: called while the stream is being captured into a CUDA graph, "
+                f"but {what}; make one call with the same cache format and angle source (and, "
+                "for computed angles, theta / scaling / rotary_dim) before capturing")
+
+    inv_freq = None
+    if plan.rope.source == AngleSource.COMPUTED:
+        key = (device, plan.rope.inv_freq.tobytes())
+        if capturing and key not in device_constants._arrays:
+            raise RuntimeError(needs_warmup("the inverse frequencies of this schedule are not on "
+                                            "the device yet (uploading them synchronises)"))
+        inv_freq = device_constants.inv_freq(device, plan.rope.inv_freq)
+
+    def compiled(spec: RerotateSpec):
+        if capturing and not is_compiled(spec, device):
+            raise RuntimeError(needs_warmup(f"{spec.name_expression} is not compiled yet"))
+        return get_kernel(spec, device)
+
+    launch = plan_rerotate_launch(plan, inv_freq_ptr=0 if inv_freq is None else inv_freq.data.ptr,
+                                  num_regs=lambda spec: compiled(spec).num_regs,
+                                  multiprocessors=_multiprocessors(device))
+    kernel = compiled(launch.kernel)
+    recipe = LaunchRecipe(kernel.ptr, device, launch.grid, launch.block, launch.params,
+                          launch.sin_offset, launch.vector, inv_freq, 0, launch.kernel,
+                          fusion_params=launch.fusion_params)
+    recipe.launch(plan.cache.obj, *launch.pointers)
+    return recipe
+
+
+def run_rerotate(k_cache, slots, delta, **options):
+    """:func:`cupyrope.rerotate_cache` on arrays that can be written (NumPy, CuPy, torch, DLPack
+    producers): the checks (:func:`cupyrope.core.rerotate.plan_rerotate`), then one launch on the
+    GPU or the NumPy path on the host; the cache's version counter bumped (torch). Returns
+    ``k_cache``."""
+    plan = plan_rerotate(k_cache, slots, delta, **options)
+    if not plan.is_empty:
+        if plan.cache.on_gpu:
+            rerotate_on_gpu(plan)
+        else:
+            rerotate_on_host(plan)
+        mark_written(plan.cache.obj)
+    return k_cache

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import primitives, sharding
 from ...core.arrays import describe_traced
+from ...core.fused_plan import NVFP4, is_per_row
 from ...core.scaling import Scaling
 from ...core.validators import check_real
 from .planning import (CACHES, FUSED_ARRAYS, ROPE_ARRAYS, SCALES, TABLES, FusedCall,
@@ -61,6 +62,7 @@ def run_fused(op_name, q, k, positions, *, rope: dict, fusion: dict, validate: b
     JAX tracer among its arguments, or a ``rope_and_cache`` on JAX arrays: checked now, run by one
     primitive. Returns what :func:`cupyrope.execute.run_fused` returns, with new caches in place
     of the written ones."""
+    _refuse_row_scaled(op_name, fusion)
     inplace = rope["inplace"]
     if op_name == "rope_and_cache" and isinstance(inplace, (bool, np.bool_)) and inplace:
         raise TypeError(
@@ -96,6 +98,22 @@ def run_fused(op_name, q, k, positions, *, rope: dict, fusion: dict, validate: b
     if f.writes_cache:
         return outs
     return outs[0] if k is None else (outs[0], outs[1])
+
+
+def _refuse_row_scaled(op_name: str, fusion: dict) -> None:
+    """Stores quantised per row (per-(token, head) fp8 scales, NVFP4 caches) run on CuPy, torch
+    and NumPy arrays; their JAX primitive would need the scale arrays as results."""
+    per_row = [name for name in SCALES if fusion.get(name) is not None
+               and is_per_row(fusion[name])]
+    cache_dtype = fusion.get("cache_dtype")
+    nvfp4 = isinstance(cache_dtype, str) and cache_dtype == NVFP4
+    if per_row or nvfp4 or fusion.get("k_cache_scales") is not None \
+            or fusion.get("v_cache_scales") is not None:
+        what = (f"per-row fp8 scales ({', '.join(per_row)})" if per_row
+                else "NVFP4 caches (cache_dtype='nvfp4', k_cache_scales, v_cache_scales)")
+        raise NotImplementedError(
+            f"{op_name}: {what} are not available for JAX arrays yet; CuPy, torch and NumPy "
+            "arrays take them (or scale per tensor, with an fp8 cache)")
 
 
 def _as_jax(x, name: str, op_name: str = "apply_rope"):
@@ -369,3 +387,22 @@ def _fused_primitive_call(fused: FusedCall, arrays: tuple) -> tuple:
     partitioned = not fused.rotation.validate and not fused.writes_cache
     bind = sharding.bind_partitioned if partitioned else primitives.bind
     return bind("fused", dict(fused=fused), list(arrays))
+
+
+# ----------------------------------------------------------------------------------------------
+# rerotate_cache: the functional form on JAX arrays (cupyrope.frontends.jax.rerotate)
+
+
+def is_rerotate_on_jax(k_cache, slots, delta, cos_sin_cache, k_scale) -> bool:
+    """Whether a ``rerotate_cache`` call runs here: a JAX cache, or a JAX tracer among its
+    arguments."""
+    from . import rerotate
+
+    return rerotate.is_rerotate_on_jax(k_cache, slots, delta, cos_sin_cache, k_scale)
+
+
+def rerotate_cache(k_cache, slots, delta, **options):
+    """:func:`cupyrope.rerotate_cache` on JAX arrays and tracers: returns the new cache."""
+    from . import rerotate
+
+    return rerotate.rerotate_cache(k_cache, slots, delta, **options)

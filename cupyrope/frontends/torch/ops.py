@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ... import execute
-from ...core.fused_plan import LAYOUTS, fp8_name
+from ...core.fused_plan import LAYOUTS, PER_HEAD, cache_format_name, fp8_name, is_per_row
 from ...core.plan import plan_rope
 from ...core.scaling import scaling_from_op_args, scaling_op_args
 from ...core.validators import check_bool, check_int, check_real
@@ -40,6 +40,13 @@ FP8_SCHEMA = ("str? out_dtype, Tensor? q_scale_tensor, float? q_scale, Tensor? k
 CACHE_SCHEMA = ("Tensor v, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping, "
                 "str layout, Tensor? v_scale_tensor, float? v_scale, str? cache_dtype")
 _SCALES = ("q_scale", "k_scale", "v_scale")
+# Stores quantised per row (per-(token, head) fp8 scales, NVFP4 block scales): arrays the call
+# writes, taken by operators of their own (ROW_SCALED_OPS), so that the other operators' schemas
+# declare no write they never make.
+ROWS_SCHEMA = "Tensor(e!)? q_scale_rows, Tensor(f!)? k_scale_rows"
+CACHE_ROWS_SCHEMA = (f"{ROWS_SCHEMA}, Tensor(g!)? v_scale_rows, Tensor(h!)? k_cache_scales, "
+                     "Tensor(i!)? v_cache_scales")
+_ROW_ARRAYS = ("q_scale_rows", "k_scale_rows", "v_scale_rows", "k_cache_scales", "v_cache_scales")
 
 
 def needs_autograd(*arrays) -> bool:
@@ -121,7 +128,16 @@ def _optional_int(value, name: str, op_name: str = "apply_rope"):
 
 def _scale_args(value, name: str, op_name: str) -> dict:
     """An fp8 scale as the pair of operator arguments ``{name}_tensor`` (a 0-d / one-element
-    float32 tensor, vLLM's convention) and ``{name}`` (a Python number); at most one is set."""
+    float32 tensor, vLLM's convention) and ``{name}`` (a Python number); at most one is set.
+    Per-row scales (a tensor of two or more dims) go to ``{name}_rows``, which only the
+    operators of ROW_SCALED_OPS take."""
+    if isinstance(value, str) and value == PER_HEAD:
+        raise ValueError(f"{op_name}: {name}='{PER_HEAD}' makes new scale arrays only in "
+                         "apply_rope and rms_norm_rope; pass a float32 tensor of per-row scales "
+                         "to fill")
+    if value is not None and is_per_row(value):
+        _check_tensor(value, name, op_name)
+        return {f"{name}_tensor": None, name: None, f"{name}_rows": value}
     if value is None:
         return {f"{name}_tensor": None, name: None}
     if isinstance(value, Tensor):
@@ -130,6 +146,9 @@ def _scale_args(value, name: str, op_name: str) -> dict:
 
 
 def _scale_from_args(named: dict, name: str):
+    rows = named.get(f"{name}_rows")
+    if rows is not None:
+        return rows
     tensor = named[f"{name}_tensor"]
     return tensor if tensor is not None else named[name]
 
@@ -282,9 +301,14 @@ def run_fused(op_name, q, k, positions, *, rope: dict, fusion: dict, validate: b
     inplace = check_bool(rope["inplace"], "inplace", op_name)
     if inplace and named["out_dtype"] is not None:
         raise ValueError(f"{op_name}: an fp8 out_dtype needs new outputs: pass inplace=False")
-    op = _FUSED_OPS[(op_name, inplace and op_name != "apply_rope")]  # apply_rope: out of place only
+    key = (op_name, inplace and op_name != "apply_rope")  # apply_rope: out of place only
+    rows = any(named.get(name) is not None for name in _ROW_ARRAYS)
+    if rows and key not in _ROW_SCALED_OPS:
+        raise ValueError(f"{op_name}: per-row fp8 scales need new outputs: pass inplace=False")
+    op = _ROW_SCALED_OPS[key] if rows else _FUSED_OPS[key]
     graded = [name for name in ("q", "k", "q_weight", "k_weight", "v", "k_cache", "v_cache",
-                                "q_scale_tensor", "k_scale_tensor", "v_scale_tensor")
+                                "q_scale_tensor", "k_scale_tensor", "v_scale_tensor",
+                                *_ROW_ARRAYS)
               if needs_autograd(named.get(name))]
     if graded and not (op_name == "rms_norm_rope" and named["out_dtype"] is None):
         what = ("the KV-cache write" if op_name == "rope_and_cache" else
@@ -329,8 +353,14 @@ def fused_op_args(op_name, q, k, positions, rope: dict, fusion: dict, validate) 
         if fusion["layout"] not in LAYOUTS:
             raise ValueError(f"{op_name}: layout must be one of {LAYOUTS}, got {fusion['layout']!r}")
         named.update(layout=fusion["layout"],
-                     cache_dtype=fp8_name(fusion["cache_dtype"], "cache_dtype", op_name),
+                     cache_dtype=cache_format_name(fusion["cache_dtype"], op_name),
                      **_scale_args(fusion["v_scale"], "v_scale", op_name))
+        named.update(k_cache_scales=fusion.get("k_cache_scales"),
+                     v_cache_scales=fusion.get("v_cache_scales"))
+    for name in _ROW_ARRAYS:  # the operators of ROW_SCALED_OPS take them all
+        named.setdefault(name, None)
+        if named[name] is not None:
+            arrays.append(name)
     for name in arrays:
         if named[name] is not None:
             _check_tensor(named[name], name, op_name)
@@ -399,7 +429,8 @@ def _rope_inplace_fake(q, k, *rotation_and_validate) -> None:
 
 
 def _gradient_ready(grad: Tensor) -> Tensor:
-    """The kernels need stride 1 along head_dim; upstream gradients may be expanded (sum())."""
+    """A dense copy of an upstream gradient with a non-unit stride along head_dim (an expanded
+    one, from sum()): the kernels would take it as it is, but only on their scalar path."""
     if grad.dim() and grad.shape[-1] > 1 and grad.stride(-1) != 1:
         return grad.contiguous()
     return grad
@@ -557,6 +588,9 @@ def _fusion_of(op_name: str, named: dict) -> dict:
     if "k_cache" in named:
         fusion.update({name: named[name] for name in ("v", "k_cache", "v_cache", "slot_mapping",
                                                       "layout", "cache_dtype")})
+        if named.get("k_cache_scales") is not None or named.get("v_cache_scales") is not None:
+            fusion.update(k_cache_scales=named["k_cache_scales"],
+                          v_cache_scales=named["v_cache_scales"])
     return fusion
 
 
@@ -581,6 +615,22 @@ FUSED_OPS = (
 )
 # (public function, writes q and k in place) -> its operator
 _FUSED_OPS = {(op.op_name, op.inplace): op for op in FUSED_OPS}
+
+# The same calls with stores quantised per row: the arrays they write are declared mutated.
+ROW_SCALED_OPS = (
+    FusedOp("apply_rope_fp8_rows", "apply_rope", False,
+            _fused_schema("Tensor q, Tensor? k", FP8_SCHEMA, ROWS_SCHEMA, inplace=False)),
+    FusedOp("rms_norm_rope_fp8_rows", "rms_norm_rope", False,
+            _fused_schema("Tensor q, Tensor? k", NORM_SCHEMA, FP8_SCHEMA, ROWS_SCHEMA,
+                          inplace=False)),
+    FusedOp("rope_and_cache_rows", "rope_and_cache", False,
+            _fused_schema("Tensor q, Tensor k", CACHE_SCHEMA, NORM_SCHEMA, FP8_SCHEMA,
+                          CACHE_ROWS_SCHEMA, inplace=False)),
+    FusedOp("rope_and_cache_rows_", "rope_and_cache", True,
+            _fused_schema("Tensor(a!) q, Tensor(b!) k", CACHE_SCHEMA, NORM_SCHEMA, FP8_SCHEMA,
+                          CACHE_ROWS_SCHEMA, inplace=True)),
+)
+_ROW_SCALED_OPS = {(op.op_name, op.inplace): op for op in ROW_SCALED_OPS}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -651,7 +701,7 @@ def _register() -> None:
         f"{NAMESPACE}::apply_rope_", _rope_inplace, mutates_args=("q", "k"),
         schema=f"(Tensor(a!) q, Tensor(b!)? k, {ROTATION_SCHEMA}, bool validate) -> ()")
     inplace.register_fake(_rope_inplace_fake)
-    for op in FUSED_OPS:
+    for op in FUSED_OPS + ROW_SCALED_OPS:
         registered = torch.library.custom_op(f"{NAMESPACE}::{op.name}", op.implementation,
                                              mutates_args=op.mutated, schema=op.schema)
         registered.register_fake(op.fake)
@@ -661,3 +711,75 @@ def _register() -> None:
 
 if _HAS_CUSTOM_OPS and not hasattr(getattr(torch.ops, NAMESPACE), "apply_rope"):
     _register()
+
+
+# ----------------------------------------------------------------------------------------------
+# rerotate_cache: the re-rotation of cached keys in place, as an operator that mutates its cache
+# (torch.compile functionalises it; CUDA graphs capture its one launch)
+
+RERO_SCHEMA = (
+    "(Tensor(a!) k_cache, Tensor slots, Tensor? delta, SymInt delta_value, "
+    "Tensor? cos_sin_cache, float theta, str? scaling, float[]? scaling_numbers, "
+    "bool interleaved, SymInt? rotary_dim, SymInt? seq_len, str layout, "
+    "Tensor? k_scale_tensor, float? k_scale, str? cache_dtype, bool validate) -> ()")
+
+
+def rerotate_cache(k_cache, slots, delta, *, cos_sin_cache=None, theta=10000.0, scaling=None,
+                   interleaved=False, rotary_dim=None, layout="NHD", k_scale=None,
+                   cache_dtype=None, validate=False, seq_len=None):
+    """:func:`cupyrope.rerotate_cache` on torch tensors through the ``cupyrope::rerotate_cache_``
+    operator: what ``torch.compile`` traces (and DTensors reach). Same arguments, results and
+    errors; every array argument must be a torch tensor. Returns ``k_cache``."""
+    op_name = "rerotate_cache"
+    _check_tensor(k_cache, "k_cache", op_name)
+    if is_distributed(k_cache, slots, delta, cos_sin_cache, k_scale):
+        raise NotImplementedError(
+            f"{op_name}: DTensor arguments are not supported (a paged cache is local to its "
+            "device); pass the local shards (x.to_local())")
+    if needs_autograd(k_cache):
+        raise NotImplementedError(
+            f"{op_name}: no gradient for the re-rotation of a cache, but k_cache requires grad; "
+            "call it under torch.no_grad() or on a detached cache")
+    _check_tensor(slots, "slots", op_name)
+    if isinstance(delta, Tensor):
+        delta_tensor, delta_value = delta, 0
+    elif isinstance(delta, torch.SymInt):
+        delta_tensor, delta_value = None, delta
+    else:
+        delta_tensor, delta_value = None, check_int(delta, "delta", op_name)
+    if cos_sin_cache is not None:
+        _check_tensor(cos_sin_cache, "cos_sin_cache", op_name)
+    if layout not in LAYOUTS:
+        raise ValueError(f"{op_name}: layout must be one of {LAYOUTS}, got {layout!r}")
+    scaling_text, scaling_numbers = scaling_op_args(scaling, op_name)
+    scale = _scale_args(k_scale, "k_scale", op_name)
+    torch.ops.cupyrope.rerotate_cache_(
+        k_cache, slots, delta_tensor, delta_value, cos_sin_cache, _number(theta, "theta", op_name),
+        scaling_text, scaling_numbers, check_bool(interleaved, "interleaved", op_name),
+        _optional_int(rotary_dim, "rotary_dim", op_name), _optional_int(seq_len, "seq_len", op_name),
+        layout, scale["k_scale_tensor"], scale["k_scale"],
+        fp8_name(cache_dtype, "cache_dtype", op_name), check_bool(validate, "validate", op_name))
+    return k_cache
+
+
+def _rerotate_implementation(k_cache, slots, delta, delta_value, cos_sin_cache, theta, scaling,
+                             scaling_numbers, interleaved, rotary_dim, seq_len, layout,
+                             k_scale_tensor, k_scale, cache_dtype, validate) -> None:
+    from ...cuda.launch import run_rerotate
+
+    run_rerotate(k_cache, slots, delta if delta is not None else delta_value,
+                 cos_sin_cache=cos_sin_cache, theta=theta,
+                 scaling=scaling_from_op_args(scaling, scaling_numbers), interleaved=interleaved,
+                 rotary_dim=rotary_dim, layout=layout,
+                 k_scale=k_scale_tensor if k_scale_tensor is not None else k_scale,
+                 cache_dtype=cache_dtype, validate=validate, seq_len=seq_len)
+
+
+def _rerotate_fake(*args) -> None:
+    return None
+
+
+if _HAS_CUSTOM_OPS and not hasattr(getattr(torch.ops, NAMESPACE), "rerotate_cache_"):
+    torch.library.custom_op(f"{NAMESPACE}::rerotate_cache_", _rerotate_implementation,
+                            mutates_args=("k_cache",), schema=RERO_SCHEMA
+                            ).register_fake(_rerotate_fake)
