@@ -38,15 +38,15 @@ def device(request):
     return request.param
 
 
-def te_freqs(rows, rotary_dim, interleaved, theta=10000.0):
+def te_freqs(rows, rotary_dim, interleaved, theta=10000.0, device="cpu"):
     """Angles as TransformerEngine's RotaryPositionEmbedding returns them: float32
-    [rows, 1, 1, rotary_dim], each pair's angle twice (halves repeated for NeoX, side by side for
-    interleaved)."""
+    [rows, 1, 1, rotary_dim] on the tensors' device, each pair's angle twice (halves repeated for
+    NeoX, side by side for interleaved)."""
     inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2) / rotary_dim)
     angles = np.outer(np.arange(rows), inv_freq).astype(np.float32)
     full = (np.repeat(angles, 2, axis=-1) if interleaved
             else np.concatenate([angles, angles], axis=-1))
-    return torch.from_numpy(full).reshape(rows, 1, 1, rotary_dim)
+    return torch.from_numpy(full).reshape(rows, 1, 1, rotary_dim).to(device)
 
 
 def cp_position(s, local_length, cp_size, cp_rank):
@@ -141,7 +141,7 @@ def test_start_positions_with_context_parallelism(case, interleaved, rotary_dim,
     t, kwargs, batch = make_input(case, rng, device)
     t = layout(t, memory)
     starts = torch.tensor(rng.integers(0, 9, batch), dtype=torch.int32, device=device)
-    freqs = te_freqs(128, rotary_dim, interleaved)
+    freqs = te_freqs(128, rotary_dim, interleaved, device=device)
     got = te.te_apply_rotary_pos_emb(t, freqs, start_positions=starts, interleaved=interleaved,
                                      **kwargs)
     want = reference(t, freqs, start_positions=starts.cpu(), interleaved=interleaved, **kwargs)
@@ -154,7 +154,7 @@ def test_gradients_with_start_positions_and_context_parallelism(case, memory, de
     x, kwargs, batch = make_input(case, rng, device)
     x = layout(x, memory).requires_grad_(True)
     starts = torch.tensor(rng.integers(0, 9, batch), dtype=torch.int64, device=device)
-    freqs = te_freqs(128, 24, True)
+    freqs = te_freqs(128, 24, True, device=device)
     upstream = torch.from_numpy(rng.standard_normal(x.shape)).to(device)
     got = te.te_apply_rotary_pos_emb(x, freqs, start_positions=starts, interleaved=True, **kwargs)
     (grad,) = torch.autograd.grad(got, x, upstream)
@@ -244,8 +244,9 @@ def reference_kwargs(kwargs):
 def test_fused_qkv_matches_the_reference(case, interleaved, split, rotary_dim, shared_freqs,
                                          device, rng):
     qkv, kwargs = make_qkv(case, rng, device, split)
-    q_freqs = te_freqs(64, rotary_dim, interleaved)
-    k_freqs = q_freqs if shared_freqs else te_freqs(64, rotary_dim, interleaved, theta=500.0)
+    q_freqs = te_freqs(64, rotary_dim, interleaved, device=device)
+    k_freqs = q_freqs if shared_freqs else te_freqs(64, rotary_dim, interleaved, theta=500.0,
+                                                    device=device)
     got = te.te_apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, split,
                                                interleaved=interleaved, **kwargs)
     want = split_reference(qkv, q_freqs, k_freqs, split, interleaved=interleaved,
@@ -284,7 +285,8 @@ def test_fused_qkv_gradients(case, device, rng):
     split = [32, 16, 16]
     qkv, kwargs = make_qkv(case, rng, device, split)
     qkv.requires_grad_(True)
-    q_freqs, k_freqs = te_freqs(64, 16, True), te_freqs(64, 16, True, theta=100.0)
+    q_freqs = te_freqs(64, 16, True, device=device)
+    k_freqs = te_freqs(64, 16, True, theta=100.0, device=device)
     got = te.te_apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, split, interleaved=True,
                                                **kwargs)
     upstream = [torch.from_numpy(rng.standard_normal(out.shape)).to(device) for out in got]
