@@ -10,6 +10,7 @@ take a vectorised NumPy path with the same semantics.
 
 from .api import apply_rope, rms_norm_rope, rope_and_cache
 from .api import rerotate_cache
+from .mla import mla_rope_and_cache, mla_rope_quantize
 from .core.frequencies import cos_sin_cache, rope_frequencies
 from .core.abi import AngleSource
 from .warmup import warmup
@@ -52,6 +53,8 @@ __all__ = [
     "rms_norm_rope",
     "rope_and_cache",
     "rerotate_cache",
+    "mla_rope_and_cache",
+    "mla_rope_quantize",
     "clear_cache",
     "context_parallel_positions",
     "cos_sin_cache",

@@ -21,6 +21,7 @@
 #include "dependent_launch.cuh"
 #include "fused.cuh"
 #include "fused_lean.cuh"
+#include "mla.cuh"
 #include "numeric.cuh"
 #include "rerotate.cuh"
 #include "rope_params.cuh"

@@ -17,8 +17,9 @@ from .flashinfer import (apply_llama31_rope, apply_llama31_rope_inplace,
 from .hf import HFPatch, hf_apply_rotary_pos_emb, patch_hf_model
 from .sglang import FusedSetKVBufferArg, apply_rope_with_cos_sin_cache_inplace
 from .te import te_apply_fused_qkv_rotary_pos_emb, te_apply_rotary_pos_emb, te_cos_sin_cache
-from .vllm import (batched_rotary_embedding, fused_qk_norm_rope, fused_qk_norm_rope_kvcache,
-                   reshape_and_cache_flash, rope_and_reshape_and_cache_flash, rotary_embedding)
+from .vllm import (batched_rotary_embedding, concat_and_cache_mla, fused_qk_norm_rope,
+                   fused_qk_norm_rope_kvcache, reshape_and_cache_flash,
+                   rope_and_reshape_and_cache_flash, rotary_embedding)
 
 __all__ = [
     "FusedSetKVBufferArg",
@@ -34,6 +35,7 @@ __all__ = [
     "apply_rope_with_cos_sin_cache",
     "apply_rope_with_cos_sin_cache_inplace",
     "batched_rotary_embedding",
+    "concat_and_cache_mla",
     "fused_qk_norm_rope",
     "fused_qk_norm_rope_kvcache",
     "fused_qk_rmsnorm_rope",

@@ -15,6 +15,7 @@ import torch
 from ..api import apply_rope, rms_norm_rope, rope_and_cache
 from ..core.dtypes import FP8_DTYPES, dtype_name_of
 from ..cuda.recipes import call_key, recipes, replay
+from ..mla import latent_cache_write
 from ..core.validators import check_bool, check_real, is_integer
 
 # vLLM's kv_cache_dtype strings that a CUDA build accepts for reshape_and_cache_flash, and the
@@ -536,3 +537,47 @@ def write_cache(op_name: str, positions, q, k, v, k_cache, v_cache, slot_mapping
                    cos_sin_cache=cos_sin_cache, interleaved=not is_neox, layout="NHD",
                    cache_dtype=kind if kind in FP8_DTYPES else None, inplace=True, **scales)
 
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
+    """vLLM's ``concat_and_cache_mla``: write ``[kv_c | k_pe]``, unrotated, into the MLA latent
+    cache, through :func:`cupyrope.mla.latent_cache_write` (the cache half of
+    :func:`cupyrope.mla_rope_and_cache`, without the rotation).
+
+    Parameters
+    ----------
+    kv_c : tensor ``[T, kv_lora_rank]``
+    k_pe : tensor ``[T, pe_dim]`` (or ``[T, 1, pe_dim]``)
+    kv_cache : tensor ``[num_blocks, block_size, kv_lora_rank + pe_dim]``
+        kv_c's dtype ("auto"), or fp8: a torch fp8 dtype or uint8 holding fp8 bits.
+    slot_mapping : int64 (or int32) tensor ``[n]``, ``n <= T``
+        Token ``t < n`` goes to block ``slot // block_size``, row ``slot % block_size``;
+        negative slots write nothing; tokens past ``n`` (vLLM V1's CUDA-graph padding) are not
+        read.
+    kv_cache_dtype : {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}
+    scale : float or one-element float32 tensor
+        fp8 caches store ``fp8(value / scale)``, saturated (vLLM's convention); unused with
+        "auto".
+
+    Returns None (as vLLM's op).
+    """
+    op_name = "concat_and_cache_mla"
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"{op_name}: kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got "
+                         f"{kv_cache_dtype!r}")
+    for x, name in ((kv_c, "kv_c"), (k_pe, "k_pe"), (kv_cache, "kv_cache"),
+                    (slot_mapping, "slot_mapping")):
+        require_tensor(x, name, op_name)
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] > kv_c.shape[0]:
+        raise ValueError(f"{op_name}: slot_mapping must be 1-d with at most {kv_c.shape[0]} "
+                         f"entries (one per token), got shape {tuple(slot_mapping.shape)}")
+    fmt = KV_CACHE_DTYPES[kv_cache_dtype]
+    stored = dtype_name_of(kv_cache.dtype)
+    options = {}
+    if fmt is not None:
+        if stored not in ("uint8", fmt):
+            raise TypeError(f"{op_name}: kv_cache_dtype={kv_cache_dtype!r} needs a cache of {fmt} "
+                            f"(or uint8 holding its bits), got {kv_cache.dtype}")
+        options = dict(cache_dtype=fmt, kv_scale=cache_scale(scale, "scale", op_name))
+    n = slot_mapping.shape[0]
+    latent_cache_write(kv_c[:n], k_pe[:n], kv_cache, slot_mapping, op_name=op_name, **options)

@@ -446,3 +446,41 @@ def clear_cache() -> None:
     _read_sources.cache_clear()
     _setting_in_use.cache_clear()
 
+
+# ------------------------------------------------------------------------------------------------
+# The DeepSeek MLA ops (kernels_cu/mla.cuh): one kernel per activation dtype, access width,
+# pairing and angle source (the store formats, input dtype or fp8, are launch parameters).
+
+MLA_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class MlaSpec:
+    """One instantiation of ``cupyrope::mla_rope_kernel``."""
+
+    dtype: str  # q / k_pe / kv_c dtype
+    table_dtype: str  # cos_sin_cache dtype (float32 placeholder for computed angles)
+    vector: bool  # 16-byte accesses (else one element at a time)
+    interleaved: bool  # GPT-J pairing (else NeoX)
+    source: AngleSource  # CACHE_TABLE or COMPUTED
+
+    @property
+    def name_expression(self) -> str:
+        return (f"cupyrope::mla_rope_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
+                f"{CUDA_TYPE_NAMES[self.table_dtype]}, {str(self.vector).lower()}, "
+                f"{str(self.interleaved).lower()}, {int(self.source)}>")
+
+
+def _mla_specialisations() -> tuple[MlaSpec, ...]:
+    """Every MLA dtype, both widths and pairings; computed angles, and cos_sin_cache tables of
+    float32 or (16-bit activations) the activations' own dtype."""
+    specs = []
+    for dtype, vector, interleaved in itertools.product(MLA_DTYPES, (True, False), (True, False)):
+        specs += [MlaSpec(dtype, table, vector, interleaved, AngleSource.CACHE_TABLE)
+                  for table in dict.fromkeys(("float32", dtype))]
+        specs.append(MlaSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED))
+    return tuple(specs)
+
+
+MLA_SPECIALISATIONS: tuple[MlaSpec, ...] = _mla_specialisations()
+ALL_SPECIALISATIONS = ALL_SPECIALISATIONS + MLA_SPECIALISATIONS

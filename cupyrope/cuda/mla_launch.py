@@ -1,0 +1,221 @@
+"""The one launch of the DeepSeek MLA ops (kernels_cu/mla.cuh): a checked
+:class:`cupyrope.core.mla.MlaPlan` and its output arrays turned into an ``MlaParams`` struct, the
+specialisation, the geometry, and the launch on the caller's stream (no allocation, no
+synchronisation once the kernel is compiled and, for computed angles, the frequencies are on the
+device).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ..core.abi import AngleSource
+from ..core.arrays import (ArrayInfo, cupy_module, current_stream, describe, host_view,
+                           mark_written, new_output, stream_is_capturing)
+from ..core.dtypes import FP8_DTYPES, ITEMSIZE
+from ..core.fused_plan import STORE_FORMATS
+from ..core.mla import MlaPlan, mla_on_host
+from ..core.mrope import MROPE_NONE
+from .compiler import MlaSpec, get_kernel, is_compiled
+from .launch import FP8_MIN_COMPUTE_CAPABILITY, _compute_capability, device_constants
+
+_POINTERS = ("q_nope", "q_pe", "k_nope", "k_pe", "kv_c", "q_nope_out", "q_pe_out", "k_nope_out",
+             "k_pe_out", "kv_cache", "positions", "slot_mapping", "table", "inv_freq", "q_scale",
+             "k_scale", "kv_scale")
+_STRIDE_PAIRS = ("q_nope_strides", "q_pe_strides", "k_nope_strides", "k_pe_strides",
+                 "q_nope_out_strides", "q_pe_out_strides", "k_nope_out_strides",
+                 "k_pe_out_strides")
+_WORDS = ("kv_c_stride", "cache_block_stride", "cache_row_stride", "positions_stride",
+          "slot_stride", "table_row_stride", "table_col_stride", "num_tokens", "num_q_heads",
+          "num_k_heads", "nope_dim", "k_nope_dim", "rope_dim", "rank", "num_slots", "block_size",
+          "max_position", "positions_int64", "slots_int64", "out_format", "cache_format",
+          "rotate")
+# The layout of ``cupyrope::MlaParams`` (kernels_cu/mla.cuh), field for field.
+MLA_PARAMS_DTYPE = np.dtype(
+    [(name, np.uint64) for name in _POINTERS]
+    + [(name, np.int64, (2,)) for name in _STRIDE_PAIRS]
+    + [(name, np.int64) for name in _WORDS]
+    + [(name, np.float32) for name in ("q_scale_value", "k_scale_value", "kv_scale_value",
+                                       "attention_factor")])
+THREADS = 128  # the kernel's __launch_bounds__
+MAX_BLOCKS = 65535 * 4  # tokens beyond are strided over
+
+
+def _store_format(dtype: str | None) -> int:
+    return int(STORE_FORMATS[dtype]) if dtype in FP8_DTYPES else 0
+
+
+def _vector_ok(plan: MlaPlan, arrays: list[tuple[ArrayInfo | None, int]], access: int) -> bool:
+    """16-byte accesses: every row dim split into whole accesses and every pointer and stride
+    of the arrays touched aligned to one access."""
+    rope = plan.rope
+    half = rope.rotary_dim // 2
+    dims = [rope.rotary_dim if rope.interleaved else half]
+    dims += [info.shape[-1] for info in (plan.q_nope, plan.k_nope, plan.kv_c) if info is not None]
+    if any(d % access for d in dims):
+        return False
+    for info, itemsize in arrays:
+        if info is None:
+            continue
+        if info.ptr % (access * itemsize) or any(s % access for s in info.strides[:-1]):
+            return False
+    return True
+
+
+def mla_on_gpu(plan: MlaPlan, outputs: list[ArrayInfo | None]) -> None:
+    """Launch a checked plan; ``outputs``: ``[q_nope_out, q_pe_out, k_nope_out, k_pe_out]`` as
+    ``[T, heads, dim]`` ArrayInfos (None where nothing is written; q_pe / k_pe themselves in
+    place)."""
+    rope = plan.rope
+    device = rope.q.device
+    like = rope.q.obj
+    op_name = plan.op_name
+    if rope.source not in (AngleSource.CACHE_TABLE, AngleSource.COMPUTED):
+        raise ValueError(f"{op_name}: on the GPU the MLA ops take a cos_sin_cache or computed "
+                         "angles (theta / scaling), not per-token cos / sin tables")
+    if rope.mrope_mode != MROPE_NONE:
+        raise ValueError(f"{op_name}: M-RoPE positions are not supported by the MLA ops")
+    if rope.inverse:
+        raise ValueError(f"{op_name}: inverse rotations are not supported by the MLA ops")
+    if ((plan.out_dtype is not None or plan.cache_dtype is not None)
+            and _compute_capability(device) < FP8_MIN_COMPUTE_CAPABILITY):
+        raise RuntimeError(f"{op_name}: fp8 outputs need a GPU of compute capability 8.9 or "
+                           f"newer; device {device} has {_compute_capability(device) / 10:.1f}")
+    capturing = stream_is_capturing(like, device)
+
+    def needs_warmup(what: str) -> str:
+        return (f"{op_name}: called while the stream is being captured into a CUDA graph, but "
+                f"{what}; make one call with the same dtypes and angle source before capturing")
+
+    inv_freq = None
+    if rope.source == AngleSource.COMPUTED:
+        key = (device, rope.inv_freq.tobytes())
+        if capturing and key not in device_constants._arrays:
+            raise RuntimeError(needs_warmup("the inverse frequencies of this schedule are not on "
+                                            "the device yet (uploading them synchronises)"))
+        inv_freq = device_constants.inv_freq(device, rope.inv_freq)
+    spec, p = plan_mla_launch(plan, outputs,
+                              inv_freq_ptr=0 if inv_freq is None else inv_freq.data.ptr)
+    if capturing and not is_compiled(spec, device):
+        raise RuntimeError(needs_warmup(f"{spec.name_expression} is not compiled yet"))
+    kernel = get_kernel(spec, device)
+    if rope.q.shape[0] == 0:
+        return
+    grid = (min(rope.q.shape[0], MAX_BLOCKS), 1, 1)
+    words = (ctypes.c_uint64 * (MLA_PARAMS_DTYPE.itemsize // 8)).from_buffer_copy(p.tobytes())
+    argv = (ctypes.c_void_p * 1)(ctypes.addressof(words))
+    cupy = cupy_module()
+    runtime, driver = cupy.cuda.runtime, cupy.cuda.driver
+    previous = runtime.getDevice()
+    if previous != device:
+        runtime.setDevice(device)
+    try:
+        driver.launchKernel(kernel.ptr, *grid, THREADS, 1, 1, 0, current_stream(like, device),
+                            ctypes.addressof(argv), 0)
+    finally:
+        if previous != device:
+            runtime.setDevice(previous)
+
+
+def plan_mla_launch(plan: MlaPlan, outputs: list[ArrayInfo | None], *,
+                    inv_freq_ptr: int = 0) -> tuple[MlaSpec, np.ndarray]:
+    """The specialisation and the ``MlaParams`` of a plan's launch (no CuPy: the host side of
+    the launch, testable anywhere). ``inv_freq_ptr``: the device frequencies of computed
+    angles."""
+    rope = plan.rope
+    p = np.zeros((), dtype=MLA_PARAMS_DTYPE)
+    itemsize = ITEMSIZE[rope.q.dtype]
+    out_itemsize = 1 if plan.out_dtype is not None else itemsize
+    cache_itemsize = 1 if plan.cache_dtype is not None else itemsize
+    inputs = (("q_nope", plan.q_nope), ("q_pe", rope.q), ("k_nope", plan.k_nope),
+              ("k_pe", rope.k))
+    for name, info in inputs:
+        if info is not None:
+            p[name] = info.ptr
+            p[f"{name}_strides"] = info.strides[:2]
+    for name, info in zip(("q_nope_out", "q_pe_out", "k_nope_out", "k_pe_out"), outputs):
+        if info is not None:
+            p[name] = info.ptr
+            p[f"{name}_strides"] = info.strides[:2]
+    p["num_tokens"], p["num_q_heads"] = rope.q.shape[0], rope.q.shape[1]
+    p["num_k_heads"], p["rope_dim"] = rope.k.shape[1], rope.rotary_dim
+    p["nope_dim"] = 0 if plan.q_nope is None else plan.q_nope.shape[-1]
+    p["k_nope_dim"] = 0 if plan.k_nope is None else plan.k_nope.shape[-1]
+    p["rotate"] = int(plan.rotate)
+    p["out_format"] = _store_format(plan.out_dtype)
+    for name, scale in (("q_scale", plan.q_scale), ("k_scale", plan.k_scale),
+                        ("kv_scale", plan.kv_scale)):
+        p[f"{name}_value"] = 1.0 if scale is None else scale.value
+        if scale is not None and scale.array is not None:
+            p[name] = scale.array.ptr
+    if rope.positions is not None:
+        p["positions"] = rope.positions.ptr
+        p["positions_stride"] = rope.positions_strides[0] if rope.positions_strides else 0
+        p["positions_int64"] = rope.positions.dtype == "int64"
+    table_dtype = "float32"
+    if rope.source == AngleSource.CACHE_TABLE:
+        table = rope.cache
+        table_dtype = table.dtype
+        p["table"] = table.ptr
+        p["table_row_stride"], p["table_col_stride"] = table.strides[0], table.strides[1]
+        p["max_position"] = table.shape[0]
+    else:
+        p["inv_freq"] = inv_freq_ptr
+        p["attention_factor"] = rope.attention_factor
+    if plan.writes_cache:
+        p["kv_c"], p["kv_c_stride"] = plan.kv_c.ptr, plan.kv_c.strides[0]
+        p["kv_cache"], p["rank"] = plan.kv_cache.ptr, plan.kv_c.shape[-1]
+        p["cache_block_stride"], p["cache_row_stride"] = plan.kv_cache.strides[:2]
+        p["num_slots"] = plan.num_blocks * plan.block_size
+        p["block_size"] = plan.block_size
+        p["slot_mapping"] = plan.slot_mapping.ptr
+        p["slot_stride"] = plan.slot_mapping.strides[0]
+        p["slots_int64"] = plan.slot_mapping.dtype == "int64"
+        p["cache_format"] = _store_format(plan.cache_dtype)
+
+    access = 16 // itemsize
+    arrays = [(plan.q_nope, itemsize), (rope.q, itemsize), (plan.k_nope, itemsize),
+              (rope.k, itemsize), (plan.kv_c, itemsize), (plan.kv_cache, cache_itemsize)]
+    arrays += [(info, out_itemsize) for info in outputs]
+    vector = _vector_ok(plan, arrays, access)
+    return MlaSpec(rope.q.dtype, table_dtype, vector, rope.interleaved, rope.source), p
+
+
+# ------------------------------------------------------------------------------------------------
+# The outputs of an MLA call, and the call itself (GPU launch or NumPy path).
+
+
+def new_mla_output(x, dtype: str | None, *, heads: bool = True):
+    """A new contiguous array shaped like ``x`` (of ``dtype``, by default x's), and the
+    description of its memory as ``[T, heads, dim]`` (a 2-d ``[T, dim]`` gains a unit head
+    dim)."""
+    info = describe(x, "x")
+    out = new_output(x, info.kind, info.device, info.shape, dtype or info.dtype)
+    view = out[:, None, :] if heads and info.ndim == 2 else out
+    out_info = describe(view, "output")
+    if dtype is not None and out_info.dtype == "uint8":
+        out_info.dtype = dtype  # CuPy's fp8 bits
+    return out, out_info
+
+
+def described_output(x, dtype: str | None):
+    """The description of an output view (fp8 for CuPy's uint8 bits)."""
+    info = describe(x, "output")
+    if dtype is not None and info.dtype == "uint8":
+        info.dtype = dtype
+    return info
+
+
+def run_mla(mla, outputs: list) -> None:
+    """One launch on the GPU, the NumPy path on the host; ``outputs``: ArrayInfos
+    ``[q_nope_out, q_pe_out, k_nope_out, k_pe_out]`` (None where nothing is written)."""
+    if mla.rope.q.on_gpu:
+        mla_on_gpu(mla, outputs)
+    else:
+        mla_on_host(mla, [None if info is None else host_view(info) for info in outputs])
+    written = [info.obj for info in outputs if info is not None]
+    if mla.writes_cache:
+        written.append(mla.kv_cache.obj)
+    mark_written(*written)

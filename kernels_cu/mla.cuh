@@ -1,0 +1,268 @@
+// DeepSeek MLA (cupyrope.mla_rope_and_cache, cupyrope.mla_rope_quantize) in one launch: every q
+// head [nope | rope] stored whole with its rope part (the LAST rope_dim dims) rotated, k_pe (and
+// a k nope part) likewise, and the latent cache row [kv_c | rotated k_pe] of each token's slot
+// (vLLM's concat_and_cache_mla layout), each element rounded once to its output format (the
+// input dtype, or fp8 value / scale through store_values of fused.cuh).
+//
+// Work: blockIdx.x strides over tokens; the threads of a block share out the token's items, one
+// access of A elements (16 bytes when VECTOR) each:
+//   q items    num_q_heads * (nope chunks + rope chunks), when q outputs are written;
+//   k items    num_k_heads * (k nope chunks + rope chunks), when k outputs are written;
+//   cache      kv_c chunks, when the token's slot is in the cache; the rotated k_pe goes to the
+//              cache row from the k items (or from rope chunks of its own without k outputs).
+// A rope chunk holds P pairs: GPT-J pairs (2j, 2j + 1) are A consecutive elements, NeoX pairs
+// (j, j + rope_dim / 2) two runs of A. Its cos / sin come from the cos_sin_cache row of the
+// token's position (NaN outside the table) or are computed (angles.cuh), as in the rope kernels.
+// cupyrope/cuda/mla_launch.py holds MLA_PARAMS_DTYPE, this struct's layout, and the host checks
+// that make every access of a VECTOR launch aligned.
+#pragma once
+
+#include "angles.cuh"
+#include "fused.cuh"
+#include "numeric.cuh"
+#include "rope_params.cuh"
+#include "rotation.cuh"
+#include "vector_io.cuh"
+
+namespace cupyrope {
+
+struct MlaParams {
+  const void* q_nope;  // inputs [T, heads, dim], any token / head strides, unit last stride
+  const void* q_pe;
+  const void* k_nope;
+  const void* k_pe;
+  const void* kv_c;  // [T, rank]
+  void* q_nope_out;  // outputs (nullptr: not written); the q_pe / k_pe inputs when in place
+  void* q_pe_out;
+  void* k_nope_out;
+  void* k_pe_out;
+  void* kv_cache;  // [num_blocks, block_size, rank + rope_dim] (nullptr: no cache write)
+  const void* positions;  // int32 / int64, nullptr: the token index
+  const void* slot_mapping;
+  const void* table;  // cos_sin_cache [max_position, rope_dim], or nullptr for computed angles
+  const double* inv_freq;  // computed angles: rope_dim / 2 frequencies
+  const float* q_scale;  // one-element fp8 scales read here (nullptr: the values below)
+  const float* k_scale;
+  const float* kv_scale;
+  long long q_nope_strides[2], q_pe_strides[2], k_nope_strides[2], k_pe_strides[2];
+  long long q_nope_out_strides[2], q_pe_out_strides[2], k_nope_out_strides[2], k_pe_out_strides[2];
+  long long kv_c_stride, cache_block_stride, cache_row_stride;
+  long long positions_stride, slot_stride, table_row_stride, table_col_stride;
+  long long num_tokens, num_q_heads, num_k_heads, nope_dim, k_nope_dim, rope_dim, rank;
+  long long num_slots, block_size, max_position;
+  long long positions_int64, slots_int64, out_format, cache_format, rotate;
+  float q_scale_value, k_scale_value, kv_scale_value, attention_factor;
+};
+static_assert(sizeof(MlaParams) == 456, "MlaParams must match MLA_PARAMS_DTYPE (mla_launch.py)");
+
+__device__ __forceinline__ long long mla_index(const void* values, long long i, bool wide) {
+  return wide ? static_cast<const long long*>(values)[i] : static_cast<const int*>(values)[i];
+}
+
+// A elements at `in`, as float32.
+template <typename T, bool VECTOR, int A>
+__device__ __forceinline__ void mla_load(float (&v)[A], const T* in) {
+  T raw[A];
+  load_elements<VECTOR>(raw, in);
+#pragma unroll
+  for (int i = 0; i < A; ++i) v[i] = to_float(raw[i]);
+}
+
+// cos / sin of the P pairs from `pair0` at `position`.
+template <typename TableT, int SOURCE, int P>
+__device__ __forceinline__ void mla_angles(const MlaParams& p, long long position, long long pair0,
+                                           float (&c)[P], float (&s)[P]) {
+  if constexpr (SOURCE == kCacheTable) {
+    const bool inside = position >= 0 && position < p.max_position;
+    const TableT* row = static_cast<const TableT*>(p.table) + (inside ? position : 0) *
+                                                                  p.table_row_stride;
+    const long long half = p.rope_dim / 2;
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      c[j] = inside ? to_float(row[(pair0 + j) * p.table_col_stride]) : quiet_nan<float>();
+      s[j] = inside ? to_float(row[(half + pair0 + j) * p.table_col_stride]) : quiet_nan<float>();
+    }
+  } else {
+    // Blackwell: two pairs an iteration (fully unrolled, the range reductions of every pair of
+    // a 16-byte float32 chunk kept too many values live across their slow path and spilled).
+#if __CUDA_ARCH__ >= 1000
+#pragma unroll 2
+#else
+#pragma unroll
+#endif
+    for (int j = 0; j < P; ++j) {
+      angle_sincos(position, p.inv_freq[pair0 + j], &s[j], &c[j]);
+      c[j] *= p.attention_factor;
+      s[j] *= p.attention_factor;
+    }
+  }
+}
+
+// One rope chunk: the P pairs from `pair0` of the head at `in`, rotated (or not, for the cache
+// write alone) and stored at element `out_offset` of `out` in `format`.
+// A second destination (`cache`, nullptr: none) takes the same values in its own format: the k
+// head's chunk goes to the k output and to the cache row in one go, so that an in-place k
+// output never overwrites values another thread still has to read.
+struct MlaTarget {
+  void* base;
+  long long offset;
+  long long format;
+  float inv_scale;
+};
+
+template <typename T, bool VECTOR, int N>
+__device__ __forceinline__ void mla_store(const MlaTarget& t, long long at, const float (&v)[N]) {
+  if (t.base != nullptr) store_values<T, VECTOR>(t.base, t.offset + at, v, t.format, t.inv_scale);
+}
+
+template <typename T, bool VECTOR, bool INTERLEAVED, int P, int A>
+__device__ __forceinline__ void mla_rope_chunk(const T* in, const MlaTarget& out,
+                                               const MlaTarget& cache, long long half,
+                                               long long pair0, const float (&c)[P],
+                                               const float (&s)[P], bool rotate) {
+  if constexpr (INTERLEAVED) {
+    float x[2 * P], y[2 * P];
+    mla_load<T, VECTOR, 2 * P>(x, in + 2 * pair0);
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      if (rotate) {
+        rotate_pair(x[2 * j], x[2 * j + 1], c[j], s[j], 1.0f, y[2 * j], y[2 * j + 1]);
+      } else {
+        y[2 * j] = x[2 * j];
+        y[2 * j + 1] = x[2 * j + 1];
+      }
+    }
+    mla_store<T, VECTOR>(out, 2 * pair0, y);
+    mla_store<T, VECTOR>(cache, 2 * pair0, y);
+  } else {
+    float x1[P], x2[P], y1[P], y2[P];
+    mla_load<T, VECTOR, P>(x1, in + pair0);
+    mla_load<T, VECTOR, P>(x2, in + half + pair0);
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      if (rotate) {
+        rotate_pair(x1[j], x2[j], c[j], s[j], 1.0f, y1[j], y2[j]);
+      } else {
+        y1[j] = x1[j];
+        y2[j] = x2[j];
+      }
+    }
+    mla_store<T, VECTOR>(out, pair0, y1);
+    mla_store<T, VECTOR>(out, half + pair0, y2);
+    mla_store<T, VECTOR>(cache, pair0, y1);
+    mla_store<T, VECTOR>(cache, half + pair0, y2);
+  }
+}
+
+// One pass-through chunk of A elements: `in` stored at `out_offset` of `out` in `format`.
+template <typename T, bool VECTOR, int A>
+__device__ __forceinline__ void mla_copy_chunk(const T* in, void* out, long long out_offset,
+                                               long long format, float inv_scale) {
+  float v[A];
+  mla_load<T, VECTOR, A>(v, in);
+  store_values<T, VECTOR>(out, out_offset, v, format, inv_scale);
+}
+
+// Item `item` of one part (q or k): `heads` heads of nope chunks (when written) then rope
+// chunks. `cache`: where the k head's rotated rope part also goes (base nullptr: nowhere).
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, int A, int P>
+__device__ __forceinline__ void mla_part_item(
+    const MlaParams& p, long long item, long long token, long long position,
+    long long nope_dim, const void* nope, const long long (&nope_strides)[2], void* nope_out,
+    const long long (&nope_out_strides)[2], const void* pe, const long long (&pe_strides)[2],
+    void* pe_out, const long long (&pe_out_strides)[2], long long format, float inv_scale,
+    const MlaTarget& cache) {
+  const long long nope_chunks = nope_out != nullptr ? nope_dim / A : 0;
+  const long long per_head = nope_chunks + (p.rope_dim / 2) / P;
+  const long long head = item / per_head;
+  const long long chunk = item - head * per_head;
+  if (chunk < nope_chunks) {
+    const T* in = static_cast<const T*>(nope) + token * nope_strides[0] + head * nope_strides[1];
+    mla_copy_chunk<T, VECTOR, A>(in + chunk * A, nope_out,
+                                 token * nope_out_strides[0] + head * nope_out_strides[1] +
+                                     chunk * A,
+                                 format, inv_scale);
+  } else {
+    const long long pair0 = (chunk - nope_chunks) * P;
+    float c[P], s[P];
+    mla_angles<TableT, SOURCE, P>(p, position, pair0, c, s);
+    const T* in = static_cast<const T*>(pe) + token * pe_strides[0] + head * pe_strides[1];
+    const MlaTarget out{pe_out, token * pe_out_strides[0] + head * pe_out_strides[1], format,
+                        inv_scale};
+    mla_rope_chunk<T, VECTOR, INTERLEAVED, P, A>(in, out, cache, p.rope_dim / 2, pair0, c, s,
+                                                 p.rotate != 0);
+  }
+}
+
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE>
+__device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
+  // A elements an access; P pairs a rope chunk (GPT-J: A / 2 pairs are A elements).
+  constexpr int A = VECTOR ? 16 / static_cast<int>(sizeof(T)) : 1;
+  constexpr int P = VECTOR ? (INTERLEAVED ? A / 2 : A) : 1;
+  const float q_inv = 1.0f / (p.q_scale != nullptr ? *p.q_scale : p.q_scale_value);
+  const float k_inv = 1.0f / (p.k_scale != nullptr ? *p.k_scale : p.k_scale_value);
+  const float kv_inv = 1.0f / (p.kv_scale != nullptr ? *p.kv_scale : p.kv_scale_value);
+  const long long half = p.rope_dim / 2;
+  for (long long token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
+    const long long position = p.positions != nullptr
+        ? mla_index(p.positions, token * p.positions_stride, p.positions_int64 != 0)
+        : token;
+    long long slot = -1;
+    if (p.kv_cache != nullptr) {
+      slot = mla_index(p.slot_mapping, token * p.slot_stride, p.slots_int64 != 0);
+      if (slot >= p.num_slots) slot = -1;  // past the cache: skipped, as padding
+    }
+    const long long q_items = p.q_pe_out != nullptr
+        ? p.num_q_heads * ((p.q_nope_out != nullptr ? p.nope_dim / A : 0) + half / P) : 0;
+    const long long k_items = p.k_pe_out != nullptr
+        ? p.num_k_heads * ((p.k_nope_out != nullptr ? p.k_nope_dim / A : 0) + half / P) : 0;
+    // The cache row: kv_c chunks, then the rotated k_pe, which the k items store there too
+    // when they run (k_pe's one head), else cache items of their own.
+    long long row = 0;
+    if (slot >= 0) {
+      const long long block = slot / p.block_size;
+      row = block * p.cache_block_stride + (slot - block * p.block_size) * p.cache_row_stride;
+    }
+    const MlaTarget no_cache{nullptr, 0, 0, 0.0f};
+    const MlaTarget cache_pe{slot >= 0 ? p.kv_cache : nullptr, row + p.rank, p.cache_format,
+                             kv_inv};
+    const long long cache_items = slot >= 0 ? p.rank / A + (k_items == 0 ? half / P : 0) : 0;
+    const long long total = q_items + k_items + cache_items;
+    for (long long item = threadIdx.x; item < total; item += blockDim.x) {
+      if (item < q_items) {
+        mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P>(
+            p, item, token, position, p.nope_dim, p.q_nope, p.q_nope_strides, p.q_nope_out,
+            p.q_nope_out_strides, p.q_pe, p.q_pe_strides, p.q_pe_out, p.q_pe_out_strides,
+            p.out_format, q_inv, no_cache);
+      } else if (item < q_items + k_items) {
+        mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P>(
+            p, item - q_items, token, position, p.k_nope_dim, p.k_nope, p.k_nope_strides,
+            p.k_nope_out, p.k_nope_out_strides, p.k_pe, p.k_pe_strides, p.k_pe_out,
+            p.k_pe_out_strides, p.out_format, k_inv, cache_pe);
+      } else {
+        const long long chunk = item - q_items - k_items;
+        if (chunk < p.rank / A) {
+          mla_copy_chunk<T, VECTOR, A>(static_cast<const T*>(p.kv_c) + token * p.kv_c_stride +
+                                           chunk * A,
+                                       p.kv_cache, row + chunk * A, p.cache_format, kv_inv);
+        } else {
+          const long long pair0 = (chunk - p.rank / A) * P;
+          float c[P], s[P];
+          mla_angles<TableT, SOURCE, P>(p, position, pair0, c, s);
+          mla_rope_chunk<T, VECTOR, INTERLEAVED, P, A>(
+              static_cast<const T*>(p.k_pe) + token * p.k_pe_strides[0], cache_pe, no_cache,
+              half, pair0, c, s, p.rotate != 0);
+        }
+      }
+    }
+  }
+}
+
+// 4 resident blocks (at most 128 registers): without the cap ptxas for sm_120 spilled the
+// element-wise float32 GPT-J kernel.
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE>
+__global__ __launch_bounds__(128, 4) void mla_rope_kernel(const MlaParams p) {
+  mla_rope_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE>(p);
+}
+
+}  // namespace cupyrope
