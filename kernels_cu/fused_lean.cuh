@@ -28,13 +28,31 @@ namespace cupyrope {
 // Heads ahead of the one being rotated whose chunks a thread prefetches into L2. With one chunk
 // in registers at a time, a thread keeps few bytes in flight; the H200 needs about twice the
 // H100's at the same latency. H200, bf16 32 q / 8 kv heads of 128, % of an SM copy at T = 16384 /
-// 65536 (docs/perf_log.md): 0 heads: rms_norm_rope 85.2 / 86.1, rope_and_cache 89.4 / 90.3, norm
-// + cache 76.2 / 77.0; 1: 91.5 / 93.3, 87.3 / 88.4, 82.0 / 83.1; 2: 91.6 / 93.9, 92.3 / 94.0,
-// 82.2 / 83.2; 3: as 2. Set at compile time to measure others.
+// 65536 (docs/perf_log.md), 0 / 1 / 2 / 3 heads ahead: rms_norm_rope 85.2 / 86.1, 91.5 / 93.3,
+// 91.6 / 93.9, 91.1 / 93.9; rope_and_cache 89.4 / 90.3, 87.3 / 88.4, 92.3 / 94.0, 92.3 / 94.1;
+// norm + cache 76.2 / 77.0, 82.0 / 83.1, 82.2 / 83.2, 82.1 / 83.2. H100, 0 / 2: rms_norm_rope
+// 94.7 / 96.2, 96.8 / 98.6; rope_and_cache 95.1 / 96.3, 96.1 / 97.0; norm + cache 87.3 / 87.9,
+// 93.8 / 95.6. The norm alone prefetches one head ahead: with two its bfloat16 NeoX kernel spills
+// 8 bytes on sm_90. Blackwell builds, unmeasured, take none: their tighter register caps spill
+// 4-8 bytes with it. Set at compile time to measure others.
 #ifndef CUPYROPE_LEAN_PREFETCH_HEADS
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define CUPYROPE_LEAN_PREFETCH_HEADS 0
+#else
 #define CUPYROPE_LEAN_PREFETCH_HEADS 2
 #endif
-constexpr int kLeanPrefetchHeads = CUPYROPE_LEAN_PREFETCH_HEADS;
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+constexpr bool kLeanWaitFirst = true;  // see rope_fused_lean_tokens
+#else
+constexpr bool kLeanWaitFirst = false;
+#endif
+
+template <bool NORM, bool CACHE>
+struct LeanPrefetchHeads {
+  static constexpr int value =
+      NORM && !CACHE && CUPYROPE_LEAN_PREFETCH_HEADS > 1 ? 1 : CUPYROPE_LEAN_PREFETCH_HEADS;
+};
 
 template <typename A, typename B> struct IsSame { static constexpr bool value = false; };
 template <typename A> struct IsSame<A, A> { static constexpr bool value = true; };
@@ -288,6 +306,7 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
   constexpr int P = L::pairs;
   constexpr int A = L::access;
 
+  if (kLeanWaitFirst) wait_for_previous_grid();
   const TableT* __restrict__ cos_table = static_cast<const TableT*>(p.cos);
   const TableT* __restrict__ sin_table = static_cast<const TableT*>(p.sin);
   const float sin_sign = static_cast<float>(p.sin_sign);
@@ -312,8 +331,10 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
   const float weight_offset = static_cast<float>(f.weight_offset);
   const Index first_token = static_cast<Index>(blockIdx.x) * ntid_z() + tid_z();
   // Everything up to here reads parameters only: with a programmatic dependent launch it overlaps
-  // the previous kernel's tail (a decode step's latency), as in the decode kernel.
-  wait_for_previous_grid();
+  // the previous kernel's tail (a decode step's latency), as in the decode kernel. Blackwell
+  // builds wait first: held across the wait, these values spilled 4 bytes of the float16 NeoX
+  // kernel with computed angles on sm_120.
+  if (!kLeanWaitFirst) wait_for_previous_grid();
   for (Index token = first_token; token < num_tokens; token += token_step) {
     const TokenOffsets<Index> o = lean_token_offsets(p, token);
     long long position = 0;
@@ -342,6 +363,20 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
     if (SOURCE == kComputedAngles && load_first) {
       chunk.load(head_rows<T, Index>(p, o, head).in, pair0, half);
     }
+    // The chunks of the thread's next kLeanPrefetchHeads heads go on their way to L2 while this
+    // one is reduced and stored: bytes in flight that cost no registers. With the norm and the
+    // cache write they go before the v heads' copy, which then overlaps them (H100, T = 65536:
+    // norm+rope+cache 94.3 -> 95.6 % of copy); without the norm that order costs rope_and_cache
+    // 97.0 -> 95.5.
+    constexpr bool prefetch_before_v = NORM && CACHE;
+    constexpr int kLeanPrefetchHeads = LeanPrefetchHeads<NORM, CACHE>::value;
+    if (prefetch_before_v && active) {
+#pragma unroll
+      for (int ahead = 1; ahead < kLeanPrefetchHeads; ++ahead) {
+        const Index h = head + ahead * head_step;
+        if (h < num_rotated) chunk.prefetch(head_rows<T, Index>(p, o, h).in, pair0, half);
+      }
+    }
     if constexpr (CACHE) {
       // The v heads of this thread (after its q and k heads on its stride), to the v cache
       // unchanged but for fp8: here, so that their rows load while cos/sin and the first chunk
@@ -360,9 +395,7 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
       }
     }
 
-    // The chunks of the thread's next kLeanPrefetchHeads heads are on their way to L2 while this
-    // one is reduced and stored: bytes in flight that cost no registers.
-    if (active) {
+    if (!prefetch_before_v && active) {
 #pragma unroll
       for (int ahead = 1; ahead < kLeanPrefetchHeads; ++ahead) {
         const Index h = head + ahead * head_step;

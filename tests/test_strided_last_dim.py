@@ -284,7 +284,9 @@ def test_zero_last_dim_stride_reads_but_is_not_written(backend, rng):
     positions = backend.put(np.arange(T))
     out = backend.get(cr.apply_rope(broadcast, positions=positions))
     dense = backend.get(cr.apply_rope(backend.put(backend.get(broadcast)), positions=positions))
-    np.testing.assert_array_equal(out, dense)
+    # The general kernel and the 16-byte one round float32 differently in places (1 ulp): both are
+    # within the accuracy bound of the same rotation.
+    np.testing.assert_allclose(out, dense, rtol=2.0 ** -20, atol=2.0 ** -22)
     with pytest.raises(ValueError, match=r"\bq\b.*zero stride"):
         cr.apply_rope(broadcast, positions=positions, inplace=True)
     assert_bits_equal(backend.get(buffer), host, what="the broadcast buffer")

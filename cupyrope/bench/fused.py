@@ -364,29 +364,39 @@ def format_fused_summary(rows: Sequence[FusedRow]) -> str:
 
 
 def plot_fused(rows: Sequence[FusedRow], path: str, *, gpu_name: str) -> str:
-    """One panel per op: % of an SM copy of the op's bytes against T, one line per
-    implementation (the 90 % target dotted)."""
+    """One panel per op (three a row): % of an SM copy of the op's bytes against T, one line per
+    implementation in the same colour in every panel (the 90 % target dotted)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ops = list(dict.fromkeys(r.op for r in rows))
-    fig, axes = plt.subplots(1, len(ops), figsize=(4.5 * len(ops), 3.6), sharey=True,
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    colours = {impl: f"C{i}" for i, impl in enumerate(impls)}
+    columns = min(3, len(ops))
+    lines = -(-len(ops) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(4.6 * columns, 3.4 * lines), sharey=True,
                              squeeze=False)
-    for ax, op in zip(axes[0], ops):
-        for impl in dict.fromkeys(r.impl for r in rows if r.op == op):
+    for ax in axes.flat[len(ops):]:
+        ax.set_visible(False)
+    for ax, op in zip(axes.flat, ops):
+        for impl in impls:
             points = sorted((r.tokens, r.pct_of_copy) for r in rows if r.op == op and r.impl == impl)
-            ax.plot([t for t, _ in points], [p for _, p in points], marker="o", label=impl)
+            if points:
+                ax.plot([t for t, _ in points], [p for _, p in points], marker="o", label=impl,
+                        color=colours[impl])
         ax.set_xscale("log", base=2)
         ax.set_title(op)
         ax.set_xlabel("tokens T")
         ax.axhline(90, color="grey", linestyle=":", linewidth=1)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("% of an SM copy of the op's bytes")
-    axes[0][-1].legend(fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("% of an SM copy of the op's bytes")
+    handles = [plt.Line2D([], [], color=colours[impl], marker="o", label=impl) for impl in impls]
+    fig.legend(handles=handles, loc="lower center", ncol=len(impls), fontsize=8)
     fig.suptitle(f"cupyrope fused ops, bf16 q[T,32,128] k/v[T,8,128], {gpu_name}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
