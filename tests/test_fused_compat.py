@@ -520,11 +520,11 @@ def test_flashinfer_rope_quantize_fp8(backend, rng, randn, attention, layout, fm
 
 
 @pytest.mark.parametrize("layout,launch_widths", [("rope_first", [64 + 128]),
-                                                  ("rope_last", [64]), ("separate", [64])])
+                                                  ("rope_last", ["mla"]), ("separate", ["mla"])])
 def test_flashinfer_rope_and_nope_in_one_launch_when_adjacent(rng, randn, monkeypatch, layout,
                                                               launch_widths):
     """Rope part first and nope part right after it in memory: one cupyrope launch over the
-    joined heads; otherwise one launch for the rope parts (the nope parts are cast by torch)."""
+    joined heads; otherwise one launch of the MLA op, which stores rope and nope parts."""
     from cupyrope.compat import flashinfer
 
     widths = []
@@ -533,7 +533,12 @@ def test_flashinfer_rope_and_nope_in_one_launch_when_adjacent(rng, randn, monkey
         widths.append(q.shape[-1])
         return cr.apply_rope(q, k, *args, **kwargs)
 
+    def counting_mla(*args, **kwargs):
+        widths.append("mla")
+        return cr.mla_rope_quantize(*args, **kwargs)
+
     monkeypatch.setattr(flashinfer, "cupyrope_apply_rope", counting)
+    monkeypatch.setattr(flashinfer, "cupyrope_mla_rope_quantize", counting_mla)
     host, inputs = _fi_inputs(Backend("torch"), randn, "mla", layout)
     positions = rng.integers(0, MAX_POSITION, host[0].shape[0])
     table = cr.cos_sin_cache(MAX_POSITION, 64, dtype="float32")

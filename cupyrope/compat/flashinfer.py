@@ -20,6 +20,7 @@ import torch
 # Imported under another name: this module defines FlashInfer's own ``apply_rope``.
 from ..api import apply_rope as cupyrope_apply_rope
 from ..api import rms_norm_rope, rope_and_cache
+from ..mla import mla_rope_quantize as cupyrope_mla_rope_quantize
 from ..core.validators import check_bool, check_real, check_rotary_dim, check_theta, is_integer
 from .te import positions_on_device
 from .vllm import count, heads_view, identity_rotation, require_tensor
@@ -94,9 +95,13 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
     if q_joined is not None and k_joined is not None:  # one launch quantises both parts
         q8, k8 = cupyrope_apply_rope(q_joined, k_joined, pos_ids, **rope)
         results = [q8[..., :rope_dim], k8[..., :rope_dim], q8[..., rope_dim:], k8[..., rope_dim:]]
-    else:  # separate tensors, or nope first ([nope | rope]: cupyrope rotates the FIRST dims)
-        results = [*cupyrope_apply_rope(q_rope, k_rope, pos_ids, **rope),
-                   _quantize(q_nope, scale_q, dtype), _quantize(k_nope, scale_kv, dtype)]
+    else:  # separate tensors, or nope first: the MLA op stores rope and nope parts in one launch
+        del rope["rotary_dim"]
+        nopes = [None if x.shape[-1] == 0 else x for x in (q_nope, k_nope)]
+        results = list(cupyrope_mla_rope_quantize(q_rope, k_rope, *nopes, pos_ids, **rope))
+        for i, like in ((2, q_nope), (3, k_nope)):
+            if results[i] is None:  # no nope part: FlashInfer returns a size-0 fp8 tensor
+                results[i] = torch.empty(like.shape, dtype=dtype, device=like.device)
     _store(results, outs)
     if mla:  # k_rope came as (nnz, rope_dim): its results go back without the heads dim
         results[1::2] = [x.squeeze(-2) for x in results[1::2]]
@@ -212,13 +217,6 @@ def _joined(rope, nope):
         return None
     return rope.as_strided((*rope.shape[:-1], rope.shape[-1] + nope.shape[-1]), rope.stride(),
                            rope.storage_offset())
-
-
-def _quantize(x, scale, dtype):
-    """fp8(x * scale), saturated, as FlashInfer stores the nope part: float32 product, one
-    rounding (NaN stays NaN)."""
-    limit = FP8[dtype]
-    return x.to(torch.float32, copy=True).mul_(scale).clamp_(-limit, limit).to(dtype)
 
 
 def _store(results, outs) -> None:
