@@ -17,7 +17,10 @@
 #
 # Knobs (environment):
 #   GPU_CHECK_SUITE=0             skip the test suite (e.g. for a sanitizer-only run)
-#   GPU_CHECK_WORKERS=12          pytest-xdist workers for the suite (GPU tests share the one GPU)
+#   GPU_CHECK_WORKERS=N           pytest-xdist workers for the suite (default: nproc; GPU tests share
+#                                 the one GPU)
+#   CUPYROPE_COMPILE_ARCHS=sm_90  the architectures the NVRTC compile tests build (default: this
+#                                 GPU's; "" for all four, as CI)
 #   GPU_CHECK_BENCH=0             skip the benchmarks
 #   GPU_CHECK_BENCH_TIMEOUT=210   seconds the pytest benchmarks may take at most
 #   GPU_CHECK_SWEEP=1             also run the reference sweep (python -m cupyrope bench: table,
@@ -121,12 +124,18 @@ if [[ "${GPU_CHECK_SUITE:-1}" != 0 ]]; then
     fi
     XDIST_ARGS=()
     if "${PY}" -c 'import xdist' 2>/dev/null; then
-        XDIST_ARGS=(-n "${GPU_CHECK_WORKERS:-12}")
+        XDIST_ARGS=(-n "${GPU_CHECK_WORKERS:-$(nproc)}")
     else
         echo "(pytest-xdist is not installed: running on one worker)"
     fi
     # The GPU-relevant suite: tests marked gpu, and the NVRTC tests (this machine's NVRTC may
-    # differ from CI's). The pure NumPy-path tests run in CI.
+    # differ from CI's) for this GPU's architecture: CI builds every architecture, and the
+    # other three would take the suite's workers for minutes. The pure NumPy-path tests run in CI.
+    if [[ -z "${CUPYROPE_COMPILE_ARCHS+set}" ]]; then
+        CUPYROPE_COMPILE_ARCHS="$("${PY}" -c 'import cupy; d = cupy.cuda.Device(0); print("sm_" + d.compute_capability)' 2>/dev/null)"
+        export CUPYROPE_COMPILE_ARCHS
+    fi
+    echo "NVRTC builds for: ${CUPYROPE_COMPILE_ARCHS:-every architecture}"
     "${PY}" -m pytest tests -m "gpu or nvrtc" -q -rs --maxfail=25 --durations=12 ${XDIST_ARGS[@]+"${XDIST_ARGS[@]}"} \
         ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} -p no:cacheprovider 2>&1 | tee "${OUT_DIR}/pytest.log"
     PYTEST_STATUS=${PIPESTATUS[0]}
