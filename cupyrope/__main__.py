@@ -5,6 +5,10 @@ GPU when CuPy sees one, else on the NumPy path) with each angle source and check
 exact float64 rotation: the largest error in ulps of the output dtype at the magnitude of each
 pair (|x1| + |x2|, the accuracy contract's bound) and a verdict. It exits 1 if a row fails.
 
+``python -m cupyrope compile [--jobs N]`` compiles every kernel specialisation for the current GPU
+into CuPy's disk cache, one process per core (a deployment image's build step, or before a test run
+spread over many processes), so that later processes only load binaries.
+
 ``python -m cupyrope bench [...]`` runs the benchmark sweep on a GPU (``--help`` lists its options):
 time, GB/s and % of an SM copy of the same bytes for cupyrope and the peers installed, a table, JSON
 and a bandwidth plot.
@@ -63,7 +67,7 @@ def _ulps(out: np.ndarray, exact: np.ndarray, pair: np.ndarray, dtype: str) -> f
     return float(np.max(np.abs(out - exact) / 2.0 ** (exponent - MANTISSA_BITS[dtype])))
 
 
-COMMANDS = ("demo", "bench")
+COMMANDS = ("demo", "compile", "bench")
 BENCH_PROG, BENCH_OUT = "python -m cupyrope bench", "cupyrope-bench"
 
 
@@ -79,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="bfloat16", choices=sorted(ULP_BOUND),
                       help="dtype of q, k and the outputs (default bfloat16)")
     demo.add_argument("--cpu", action="store_true", help="use the NumPy path even with a GPU")
+    compile_ = commands.add_parser(
+        "compile", help="compile every kernel for this GPU into the disk cache, in parallel")
+    compile_.add_argument("--jobs", type=_positive_int, default=None,
+                          help="worker processes (default: one per core)")
     # The sweep's options, --help included, belong to cupyrope.bench.options: main() checks every
     # argument after "bench" (parse_known_args leaves them over) with that parser, then hands them
     # to cupyrope.bench.cli.
@@ -99,7 +107,24 @@ def main(argv=None) -> int:
         return _bench(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "compile":
+        return _compile(args)
     return _demo(args)
+
+
+def _compile(args) -> int:
+    if not _gpu_available():
+        print("python -m cupyrope compile: compiling for a GPU needs a CUDA GPU with CuPy, and no "
+              "usable GPU was found here (CuPy is not installed, or cupy.is_available() is false)",
+              file=sys.stderr)
+        return 2
+    from cupyrope.cuda.kernel_cache import fill_kernel_cache
+
+    start = time.perf_counter()
+    count = fill_kernel_cache(jobs=args.jobs)
+    print(f"compiled {count} kernel specialisations into the disk cache in "
+          f"{time.perf_counter() - start:.1f} s")
+    return 0
 
 
 def _bench(argv) -> int:

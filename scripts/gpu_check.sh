@@ -11,7 +11,7 @@
 # and prints a summary table last. The exit status is pytest's. On an H100/H200 the whole script
 # takes under 5 minutes: the suite ~2 min on 12 workers, the benchmarks ~2.5 min (fused ops included).
 #
-# Files written to ${OUT:-/tmp} (the device tool returns at most 8): pytest.log,
+# Files written to ${OUT:-/tmp} (the device tool returns at most 8): pytest.log, pytest.xml (times),
 # first_call_{cold,warm}.log, and, when they run, bench.log, bench_summary.md, bench.json, sweep/ (table, JSON,
 # plot) and sanitizer_{memcheck,racecheck}.log.
 #
@@ -26,7 +26,7 @@
 #   GPU_CHECK_SWEEP=1             also run the reference sweep (python -m cupyrope bench: table,
 #                                 JSON and plot in sweep/; ~2 more minutes with every peer)
 #   GPU_CHECK_SANITIZER=1         also run the kernel and reliability tests under compute-sanitizer
-#                                 memcheck and racecheck (one process each; ~2 more minutes)
+#                                 memcheck and racecheck (one process each, side by side)
 #   GPU_CHECK_SANITIZER_K=...     the -k expression of that run (default: a subset that covers
 #                                 every angle source, pairing, dtype and layout; "" for all)
 #   CUPYROPE_REQUIRE_INTEROP      default "torch,jax": the suite fails at start if one cannot be
@@ -112,6 +112,13 @@ fi
 "${PY}" -c 'import cupyrope, cupyrope.cuda.compiler as k; print("cupyrope", cupyrope.__version__, "from", cupyrope.__file__); print("kernel sources:", k.kernel_source_dir())'
 
 # ------------------------------------------------------------------------------------------------
+# Every specialisation compiled once, one process per core, before the tests start: else several
+# pytest workers compile the same kernels at once on their first calls.
+if [[ "${GPU_CHECK_SUITE:-1}" != 0 || "${GPU_CHECK_SANITIZER:-0}" == 1 ]]; then
+    section "kernel cache: python -m cupyrope compile"
+    "${PY}" -m cupyrope compile 2>&1 | tail -n 3
+fi
+
 PYTEST_STATUS=0
 SUMMARY_LINE="(suite not run)"
 if [[ "${GPU_CHECK_SUITE:-1}" != 0 ]]; then
@@ -137,6 +144,7 @@ if [[ "${GPU_CHECK_SUITE:-1}" != 0 ]]; then
     fi
     echo "NVRTC builds for: ${CUPYROPE_COMPILE_ARCHS:-every architecture}"
     "${PY}" -m pytest tests -m "gpu or nvrtc" -q -rs --maxfail=25 --durations=12 ${XDIST_ARGS[@]+"${XDIST_ARGS[@]}"} \
+        --junitxml="${OUT_DIR}/pytest.xml" \
         ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} -p no:cacheprovider 2>&1 | tee "${OUT_DIR}/pytest.log"
     PYTEST_STATUS=${PIPESTATUS[0]}
     # pytest's last line, e.g. "250 passed, 3 skipped in 95.21s (0:01:35)".
@@ -246,21 +254,33 @@ RACECHECK="not run"
 # every kernel path (angle sources, pairings, dtypes, layouts, lean and general, in place, graphs),
 # without the 2^31-element, thread, hypothesis and grid-limit sweeps.
 SANITIZER_SUBSET="not 2p31 and not threads and not repeat_calls and not guard_bytes and not grid_limits and not every_byte_offset"
+SANITIZER_FILES=(tests/test_gpu.py tests/test_reliability_gpu.py tests/test_fused.py tests/test_mla.py
+                 tests/test_fused_mla.py tests/test_rerotate.py tests/test_fp8_per_head.py
+                 tests/test_nvfp4_cache.py tests/test_strided_last_dim.py)
+sanitize() {  # sanitize TOOL: one pytest process under compute-sanitizer --tool TOOL
+    # One cudaMalloc per array (no CuPy pool) so that memcheck sees every array's bounds.
+    CUPYROPE_TEST_NO_POOL=1 compute-sanitizer --tool "$1" --print-limit 20 \
+        "${PY}" -m pytest "${SANITIZER_FILES[@]}" -m gpu -q -x -p no:cacheprovider \
+        -k "${GPU_CHECK_SANITIZER_K-${SANITIZER_SUBSET}}" >"${OUT_DIR}/sanitizer_$1.log" 2>&1
+}
+sanitizer_result() {  # sanitizer_result TOOL STATUS: the tool's summary line and pytest's
+    local line tests
+    line="$(grep -E '(ERROR|RACECHECK) SUMMARY' "${OUT_DIR}/sanitizer_$1.log" | tail -n 1 | sed 's/^=* *//')"
+    tests="$(grep -E '[0-9]+ (passed|failed)' "${OUT_DIR}/sanitizer_$1.log" | tail -n 1 | sed 's/=//g; s/^ *//')"
+    echo "${line:-no summary line}; ${tests:-no pytest summary} (exit $2)"
+}
 if [[ "${GPU_CHECK_SANITIZER:-0}" == 1 ]]; then
     if command -v compute-sanitizer >/dev/null 2>&1; then
-        for tool in memcheck racecheck; do
-            section "compute-sanitizer --tool ${tool}"
-            # One cudaMalloc per array (no CuPy pool) so that memcheck sees every array's bounds.
-            CUPYROPE_TEST_NO_POOL=1 compute-sanitizer --tool "${tool}" --print-limit 20 \
-                "${PY}" -m pytest tests/test_gpu.py tests/test_reliability_gpu.py tests/test_fused.py -q -x -p no:cacheprovider \
-                -k "${GPU_CHECK_SANITIZER_K-${SANITIZER_SUBSET}}" 2>&1 \
-                | tee "${OUT_DIR}/sanitizer_${tool}.log"
-            status=${PIPESTATUS[0]}
-            line="$(grep -E '(ERROR|RACECHECK) SUMMARY' "${OUT_DIR}/sanitizer_${tool}.log" | tail -n 1 \
-                | sed 's/^=* *//')"
-            result="${line:-no summary line} (exit ${status})"
-            if [[ ${tool} == memcheck ]]; then MEMCHECK="${result}"; else RACECHECK="${result}"; fi
-        done
+        # The two tools run side by side (each instrumented process uses one core; neither times
+        # anything), after the benchmarks.
+        section "compute-sanitizer memcheck and racecheck (side by side)"
+        sanitize memcheck & memcheck_pid=$!
+        sanitize racecheck & racecheck_pid=$!
+        wait "${memcheck_pid}"; memcheck_status=$?
+        wait "${racecheck_pid}"; racecheck_status=$?
+        MEMCHECK="$(sanitizer_result memcheck "${memcheck_status}")"
+        RACECHECK="$(sanitizer_result racecheck "${racecheck_status}")"
+        tail -n 3 "${OUT_DIR}/sanitizer_memcheck.log" "${OUT_DIR}/sanitizer_racecheck.log"
     else
         MEMCHECK="compute-sanitizer not found"
         RACECHECK="${MEMCHECK}"

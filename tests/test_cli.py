@@ -1,5 +1,5 @@
 """``python -m cupyrope``: the demo's verdict, argument errors, --version, and ``bench`` without a
-GPU; ``warmup`` without a GPU. These run on any machine (the demo takes the NumPy path there)."""
+GPU; ``compile``'s arguments and its work split; ``warmup`` without a GPU. These run on any machine (the demo takes the NumPy path there)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_an_unknown_command_is_an_invalid_choice(capsys):
         cli.main(["frobnicate"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "invalid choice: 'frobnicate' (choose from 'demo', 'bench')" in err
+    assert "invalid choice: 'frobnicate' (choose from 'demo', 'compile', 'bench')" in err
     assert "unrecognized arguments" not in err
 
 
@@ -144,7 +144,7 @@ def test_the_demo_refuses_arguments_it_does_not_know():
     assert "unrecognized arguments: --repeats 3" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["demo"], ["compile"], ["bench"]])
 def test_help_cites_no_file_that_does_not_ship(command):
     result = run(*command, "--help")
     assert result.returncode == 0, result.stderr
@@ -159,3 +159,30 @@ def test_warmup_without_a_gpu_raises_one_clear_error():
         pytest.skip("this machine has a GPU")
     with pytest.raises(RuntimeError, match="warmup: no usable CUDA GPU was found"):
         cr.warmup()
+
+
+def test_compile_without_a_gpu_says_so_in_one_sentence(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_gpu_available", lambda: False)
+    assert cli.main(["compile", "--jobs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m cupyrope compile: compiling for a GPU needs a CUDA GPU")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("jobs", ["0", "-3", "two"])
+def test_compile_jobs_must_be_a_positive_int(jobs):
+    result = run("compile", "--jobs", jobs)
+    assert result.returncode == 2 and "--jobs: expected a positive integer" in result.stderr
+
+
+def test_compile_hands_every_specialisation_to_exactly_one_worker(monkeypatch):
+    from cupyrope.cuda import compiler, kernel_cache
+
+    compiled = []
+    monkeypatch.setattr(compiler, "get_kernel", lambda spec, device_id: compiled.append(spec))
+    jobs = 5
+    counts = [kernel_cache._compile_slice(0, first, jobs) for first in range(jobs)]
+    assert sum(counts) == len(compiler.ALL_SPECIALISATIONS) == len(compiled)
+    assert sorted(map(repr, compiled)) == sorted(map(repr, compiler.ALL_SPECIALISATIONS))
+    with pytest.raises(ValueError, match="jobs must be at least 1, got 0"):
+        kernel_cache.fill_kernel_cache(device=0, jobs=0)
