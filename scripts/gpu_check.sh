@@ -131,7 +131,8 @@ if [[ "${GPU_CHECK_SUITE:-1}" != 0 ]]; then
     fi
     XDIST_ARGS=()
     if "${PY}" -c 'import xdist' 2>/dev/null; then
-        XDIST_ARGS=(-n "${GPU_CHECK_WORKERS:-$(nproc)}")
+        # loadgroup: the tests of one NVRTC build stay on one worker (tests/test_kernel_compile.py)
+        XDIST_ARGS=(-n "${GPU_CHECK_WORKERS:-$(nproc)}" --dist loadgroup)
     else
         echo "(pytest-xdist is not installed: running on one worker)"
     fi

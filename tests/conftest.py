@@ -69,6 +69,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The NVRTC builds (a minute each on one core) go first, so that a parallel run starts them
+    # on separate workers before the short tests (a stable sort keeps every other order).
+    def is_nvrtc_build(item) -> bool:
+        group = item.get_closest_marker("xdist_group")
+        return group is not None and str(group.args[0] if group.args else "").startswith("nvrtc-")
+
+    items.sort(key=lambda item: not is_nvrtc_build(item))
     if any(item.get_closest_marker("gpu") for item in items) and not _cupy_available():
         skip = pytest.mark.skip(reason="needs CuPy and a CUDA GPU (cupy.is_available() is false)")
         for item in items:

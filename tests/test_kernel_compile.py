@@ -129,7 +129,11 @@ def _architectures_asked() -> tuple[str, ...]:
     return tuple(asked) or ARCHITECTURES
 
 
-@pytest.fixture(scope="module", params=BUILDS, ids=_build_id)
+# Under pytest-xdist's --dist loadgroup (as the GPU check runs it) the tests of one build share a
+# worker and its one compile, and tests/conftest.py starts the builds first, each on its own worker:
+# the longest jobs of the suite then never queue behind one another.
+@pytest.fixture(scope="module", ids=_build_id, params=[
+    pytest.param(build, marks=pytest.mark.xdist_group(f"nvrtc-{_build_id(build)}")) for build in BUILDS])
 def compiled(request) -> CompiledProgram:
     arch, arithmetic, part = request.param
     if arch not in _architectures_asked():
