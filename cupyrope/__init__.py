@@ -9,7 +9,7 @@ take a vectorised NumPy path with the same semantics.
 """
 
 from .api import apply_rope, rms_norm_rope, rope_and_cache
-from .api import rerotate_cache
+from .api import rerotate_cache, write_cache
 from .mla import mla_rope_and_cache, mla_rope_quantize
 from .core.frequencies import cos_sin_cache, rope_frequencies
 from .core.abi import AngleSource
@@ -52,6 +52,7 @@ __all__ = [
     "apply_rope",
     "rms_norm_rope",
     "rope_and_cache",
+    "write_cache",
     "rerotate_cache",
     "mla_rope_and_cache",
     "mla_rope_quantize",

@@ -1,4 +1,5 @@
-"""The public functions (:func:`apply_rope`, :func:`rms_norm_rope`, :func:`rope_and_cache`) and the
+"""The public functions (:func:`apply_rope`, :func:`rms_norm_rope`, :func:`rope_and_cache`,
+:func:`write_cache`, :func:`rerotate_cache`) and the
 one place where a call is routed: ``torch.compile`` tracing, autograd and DTensors to
 ``cupyrope.frontends.torch.ops``, JAX tracers to ``cupyrope.frontends.jax.ops``, everything else
 straight to :func:`cupyrope.execute.run`, where every route ends.
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import execute
-from .core.arrays import describe, new_output
+from .core.arrays import describe, mark_written, new_output
 from .core.fused_plan import PER_HEAD
 
 # Any array cupyrope takes: CuPy, torch, JAX, NumPy or another DLPack producer.
@@ -252,7 +253,8 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
                   scaling: Mapping[str, Any] | None = None, interleaved: bool = False,
                   rotary_dim: int | None = None, inverse: bool = False, inplace: bool = False,
                   validate: bool = False, seq_len: int | None = None, out_dtype: Any = None,
-                  q_scale: Any = None, k_scale: Any = None) -> Array | tuple[Array, Array]:
+                  q_scale: Any = None, k_scale: Any = None,
+                  out: Array | tuple[Array, Array] | None = None) -> Array | tuple[Array, Array]:
     """RMSNorm of every head of q (and k), then the rotation, in one pass (QK-norm models:
     Qwen3, Gemma 3, OLMo 2).
 
@@ -273,6 +275,12 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
     validate, seq_len, out_dtype, q_scale, k_scale
         As in :func:`apply_rope`. Dims past ``rotary_dim`` are normalised too; per-row fp8
         scales take the amax of the normalised, rotated row.
+    out : array, or (array, array) when k is given, optional
+        Preallocated outputs written by the launch itself (no copy): q_out (and k_out) of q's
+        (k's) array type, shape and device, of the output dtype (q's, or the fp8 ``out_dtype``;
+        uint8 bits for CuPy), any token and head strides with a unit last stride, sharing no
+        element with any argument. Returned in place of new arrays. Not with ``inplace=True``
+        or JAX arrays; under ``torch.compile`` and autograd the results are copied into them.
 
     Returns
     -------
@@ -294,11 +302,14 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
                   weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
                   k_scale=k_scale)
     made = _new_row_scales(fusion, q, k)
+    rope = _rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
+                         inverse, inplace, seq_len)
+    if out is not None:
+        return _with_row_scales(_run_fused_into("rms_norm_rope", q, k, positions, rope, fusion,
+                                                validate, out), made)
     return _with_row_scales(execute.run_fused(
-        "rms_norm_rope", q, k, positions,
-        rope=_rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
-                           inverse, inplace, seq_len),
-        fusion=fusion, validate=validate, router=_fused_route), made)
+        "rms_norm_rope", q, k, positions, rope=rope, fusion=fusion, validate=validate,
+        router=_fused_route), made)
 
 
 def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cache: Array,
@@ -309,8 +320,10 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
                    v_scale: Any = None, cache_dtype: Any = None, q_weight: Array | None = None,
                    k_weight: Array | None = None, eps: float | None = None,
                    weight_offset: float = 0.0, out_dtype: Any = None, q_scale: Any = None,
-                   inplace: bool = True, validate: bool = False, seq_len: int | None = None,
-                   k_cache_scales: Array | None = None, v_cache_scales: Array | None = None):
+                   inplace: bool | None = None, validate: bool = False,
+                   seq_len: int | None = None, k_cache_scales: Array | None = None,
+                   v_cache_scales: Array | None = None,
+                   out: tuple[Array, Array] | None = None):
     """Rotate q and k and write the rotated k and v into a paged KV cache, in one launch
     (optionally after QK-RMSNorm and with fp8 outputs).
 
@@ -346,8 +359,11 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
         QK-RMSNorm before the rotation, as :func:`rms_norm_rope` (when weights are given).
     out_dtype, q_scale
         fp8 q/k outputs, as :func:`apply_rope` (then ``inplace=False``).
-    inplace : bool
-        True (vLLM's convention): q and k are rotated in place.
+    inplace : bool, optional
+        True (vLLM's convention, the default without ``out``): q and k are rotated in place.
+    out : (array, array), optional
+        Preallocated ``(q_out, k_out)`` written by the launch itself, as in
+        :func:`rms_norm_rope` (then q and k are only read; the default ``inplace`` is False).
     k_cache_scales, v_cache_scales : arrays, optional
         NVFP4 caches only: their e4m3 block scales, one per 16 values of a row, uint8 or
         float8_e4m3fn of shape ``(num_blocks, block_size, Hk, D // 16)`` (NHD) or
@@ -366,11 +382,116 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
                   cache_dtype=cache_dtype)
     if k_cache_scales is not None or v_cache_scales is not None:  # NVFP4 caches only
         fusion.update(k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
-    return execute.run_fused(
-        "rope_and_cache", q, k, positions,
-        rope=_rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
-                           False, inplace, seq_len),
+    if inplace is None:
+        inplace = out is None
+    rope = _rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim, False,
+                         inplace, seq_len)
+    if out is not None:
+        return _run_fused_into("rope_and_cache", q, k, positions, rope, fusion, validate, out)
+    return execute.run_fused("rope_and_cache", q, k, positions, rope=rope, fusion=fusion,
+                             validate=validate, router=_fused_route)
+
+
+def _run_fused_into(op_name: str, q, k, positions, rope: dict, fusion: dict, validate: bool,
+                    out):
+    """A fused call that writes its outputs into ``out`` (q_out, or (q_out, k_out)): checked in
+    full (:func:`cupyrope.core.fused_plan.plan_fused_outputs`), then one launch into those
+    arrays. Calls that a frontend must take (torch.compile, autograd, DTensors) run there and
+    their results are copied into ``out``; JAX arrays are immutable and refused."""
+    from .core.fused_plan import plan_fused, plan_fused_outputs
+
+    route = _fused_route(op_name, q, k, positions, rope, fusion)
+    if route is not None:
+        if route is not _torch_ops():
+            raise TypeError(f"{op_name}: out= writes into its arrays and JAX arrays are "
+                            "immutable; use the returned arrays instead")
+        if rope["inplace"] is True:
+            raise ValueError(f"{op_name}: pass inplace=True (write into q and k) or out= (write "
+                             "into other arrays), not both")
+        result = route.run_fused(op_name, q, k, positions, rope=rope, fusion=fusion,
+                                 validate=validate)
+        results = result if isinstance(result, tuple) else (result,)
+        targets = out if isinstance(out, (tuple, list)) else (out,)
+        if len(targets) != (1 if k is None else 2):
+            raise TypeError(f"{op_name}: out must be {'q_out' if k is None else '(q_out, k_out)'}")
+        for target, value in zip(targets, results):
+            target.copy_(value)
+        return (*targets, *results[2:]) if k is not None else targets[0]
+    plan = plan_fused(op_name, q, k, positions, rope=rope, fusion=fusion, validate=validate)
+    outputs = plan_fused_outputs(plan, out)
+    execute.rotate(plan, outputs)
+    f = plan.fusion
+    natives = [info.obj for info in outputs]
+    mark_written(*natives, *((f.k_cache.obj, f.v_cache.obj) if f.writes_cache else ()))
+    if f.writes_cache:
+        return natives[0], natives[1], f.k_cache.obj, f.v_cache.obj
+    return natives[0] if plan.k is None else (natives[0], natives[1])
+
+
+def write_cache(k: Array, v: Array, k_cache: Array, v_cache: Array, slot_mapping: Array, *,
+                layout: str = "NHD", k_scale: Any = None, v_scale: Any = None,
+                cache_dtype: Any = None, validate: bool = False,
+                k_cache_scales: Array | None = None, v_cache_scales: Array | None = None):
+    """Write k and v, unrotated, into a paged KV cache, in one launch (vLLM's
+    ``reshape_and_cache_flash``; the cache half of :func:`rope_and_cache`).
+
+    No rotation at all: every value is stored as it is (a cache of k's dtype gets its bits, inf
+    and NaN included; an fp8 or NVFP4 cache ``fp8(value / scale)`` as :func:`rope_and_cache`
+    stores it). k and v are only read.
+
+    Parameters
+    ----------
+    k, v : arrays, shape ``(T, Hk, D)``
+        float16, bfloat16 or float32; any token and head strides with a unit last stride (views
+        of a fused QKV buffer work).
+    k_cache, v_cache, slot_mapping, layout, k_scale, v_scale, cache_dtype, k_cache_scales,
+    v_cache_scales
+        As in :func:`rope_and_cache` (``k_scale`` scales the k cache only).
+    validate : bool
+        Read slot_mapping on the host and raise for slots past the cache (IndexError) or given
+        to two tokens (ValueError); this synchronises.
+
+    Returns
+    -------
+    (k_cache, v_cache)
+        The caches given, written in place (CuPy, torch, NumPy; JAX arrays are refused).
+
+    Notes
+    -----
+    The launch is the fused kernel of :func:`rope_and_cache` with nothing to rotate: it reads
+    no positions and no angles, so it needs no frequency table; before a CUDA graph capture,
+    ``cupyrope.warmup(sources=("tables",))`` compiles its kernels.
+
+    Examples
+    --------
+    >>> import numpy as np, cupyrope as cr
+    >>> k = np.random.default_rng(0).standard_normal((3, 2, 8)).astype(np.float32)
+    >>> v = k + 1
+    >>> k_cache = np.zeros((2, 4, 2, 8), np.float32); v_cache = np.zeros_like(k_cache)
+    >>> _ = cr.write_cache(k, v, k_cache, v_cache, np.array([5, -1, 0]))
+    >>> bool((k_cache[1, 1] == k[0]).all() and (v_cache[0, 0] == v[2]).all())
+    True
+    """
+    shape = tuple(getattr(k, "shape", ()))
+    if len(shape) != 3:
+        # Also checked by the plan; here because the q of the call is a zero-head view of k.
+        raise ValueError(f"write_cache: k must be [num_tokens, num_heads, head_dim], got "
+                         f"{'shape ' + str(shape) if hasattr(k, 'shape') else type(k).__name__}")
+    if any(type(x).__module__.split(".", 1)[0] in ("jax", "jaxlib")
+           for x in (k, v, k_cache, v_cache, slot_mapping)):
+        raise TypeError("write_cache: JAX arrays are not supported (XLA's own scatter does this "
+                        "write: k_cache.at[blocks, rows].set(k) in jax.numpy)")
+    fusion = dict(rotate=False, norm=False, out_dtype=None, q_scale=None, k_scale=k_scale, v=v,
+                  k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, layout=layout,
+                  v_scale=v_scale, cache_dtype=cache_dtype)
+    if k_cache_scales is not None or v_cache_scales is not None:  # NVFP4 caches only
+        fusion.update(k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
+    # The fused path's q is a view of k with no heads: nothing is read or written through it.
+    result = execute.run_fused(
+        "write_cache", k[:, :0], k, None,
+        rope=_rope_options(None, None, None, 10000.0, None, False, None, False, False, None),
         fusion=fusion, validate=validate, router=_fused_route)
+    return result[2], result[3]
 
 
 def rerotate_cache(k_cache: Array, slots: Array, delta: Array | int, *,

@@ -70,11 +70,22 @@ def _traced_rope_and_cache(q, joint: bool, q_nope, q_pe, k_pe, k_heads, kv_c, po
 
 
 def _check_array_type(mla, op_name: str) -> None:
-    """The MLA ops write their outputs and the cache in place: NumPy, torch and CuPy arrays."""
+    """The MLA ops write their outputs and the cache in place here: NumPy, torch and CuPy arrays
+    (JAX arrays take the functional form of :func:`_jax_mla`)."""
     q = mla.rope.q
     if q.kind not in ("numpy", "torch", "cupy"):
-        raise TypeError(f"{op_name}: the MLA ops take NumPy, torch or CuPy arrays, got a {q.kind} "
-                        "array")
+        raise TypeError(f"{op_name}: the MLA ops take NumPy, torch, CuPy or JAX arrays, got a "
+                        f"{q.kind} array")
+
+
+def _jax_mla(*arrays):
+    """The JAX form of the MLA ops (:mod:`cupyrope.frontends.jax.mla`) when a JAX array or
+    tracer is among ``arrays``, else None (JAX is never imported here)."""
+    if "jax" not in sys.modules:
+        return None
+    from .frontends.jax import mla as jax_mla
+
+    return jax_mla if jax_mla.is_mla_on_jax(*arrays) else None
 
 
 def mla_rope_quantize(q_rope: Array, k_rope: Array, q_nope: Array | None = None,
@@ -117,7 +128,9 @@ def mla_rope_quantize(q_rope: Array, k_rope: Array, q_nope: Array | None = None,
     Returns
     -------
     (q_rope_out, k_rope_out, q_nope_out, k_nope_out)
-        Arrays shaped like the inputs (None where a nope input is None).
+        Arrays shaped like the inputs (None where a nope input is None). JAX arrays and tracers
+        take the same call (:mod:`cupyrope.frontends.jax.mla`: one kernel launch under
+        ``jax.jit`` on NVIDIA GPUs); ``inplace=True`` raises TypeError there.
 
     Examples
     --------
@@ -130,6 +143,12 @@ def mla_rope_quantize(q_rope: Array, k_rope: Array, q_nope: Array | None = None,
     >>> [None if x is None else x.shape for x in outs]
     [(3, 4, 64), (3, 64), (3, 4, 128), None]
     """
+    jax_mla = _jax_mla(q_rope, k_rope, q_nope, k_nope, positions, cos_sin_cache, q_scale, k_scale)
+    if jax_mla is not None:  # functional: new arrays
+        return jax_mla.mla_rope_quantize(
+            q_rope, k_rope, q_nope, k_nope, positions, cos_sin_cache=cos_sin_cache, theta=theta,
+            scaling=scaling, interleaved=interleaved, out_dtype=out_dtype, q_scale=q_scale,
+            k_scale=k_scale, inplace=inplace, validate=validate, seq_len=seq_len)
     op_name = "mla_rope_quantize"
     k_heads = _token_heads(k_rope, "k_rope", op_name)
     k_nope_heads = None if k_nope is None else _token_heads(k_nope, "k_nope", op_name)
@@ -194,7 +213,9 @@ def mla_rope_and_cache(q: Array | tuple[Array, Array], k_pe: Array, kv_c: Array,
     -------
     (q_out, k_pe_out, kv_cache)
         q_out in q's layout (one array or the pair), k_pe_out shaped like k_pe (in place: q and
-        k_pe themselves), kv_cache the array given.
+        k_pe themselves), kv_cache the array given. JAX arrays and tracers: new arrays and a new
+        cache (rows no slot names keep the input's values; the input is unchanged), one kernel
+        launch under ``jax.jit`` on NVIDIA GPUs; ``inplace=True`` raises TypeError there.
 
     Examples
     --------
@@ -209,6 +230,14 @@ def mla_rope_and_cache(q: Array | tuple[Array, Array], k_pe: Array, kv_c: Array,
     >>> bool((cache[1, 1, :512] == kv_c[0]).all() and (cache[1, 1, 512:] == k_out[0]).all())
     True
     """
+    jax_mla = _jax_mla(*(q if isinstance(q, (tuple, list)) else (q,)), k_pe, kv_c, positions,
+                       kv_cache, slot_mapping, cos_sin_cache, q_scale, k_scale, kv_scale)
+    if jax_mla is not None:  # functional: new arrays and a new cache
+        return jax_mla.mla_rope_and_cache(
+            q, k_pe, kv_c, positions, kv_cache, slot_mapping, cos_sin_cache=cos_sin_cache,
+            theta=theta, scaling=scaling, interleaved=interleaved, out_dtype=out_dtype,
+            q_scale=q_scale, k_scale=k_scale, kv_scale=kv_scale, cache_dtype=cache_dtype,
+            inplace=inplace, validate=validate, seq_len=seq_len)
     op_name = "mla_rope_and_cache"
     k_heads = _token_heads(k_pe, "k_pe", op_name)
     joint = not isinstance(q, (tuple, list))

@@ -522,9 +522,9 @@ __device__ __forceinline__ HeadTargets<Index> head_targets(const RopeParams& p,
   return t;
 }
 
-// Copy v head `vh` of the token into the v cache (fp8: value / v_scale), lane by lane; nothing
-// for a token without a slot (v_base < 0). v is read first either way (every token has its row),
-// so that the load does not wait for the slot's.
+// Copy v head `vh` of the token into the v cache (fp8: value / v_scale; v's own dtype: its bits),
+// lane by lane; nothing for a token without a slot (v_base < 0). v is read first either way
+// (every token has its row), so that the load does not wait for the slot's.
 template <typename T, bool VECTOR, int A, typename Index>
 __device__ __forceinline__ void store_v_head(const FusionParams& f, Index token, Index vh,
                                              long long v_base, Index head_chunks, float v_inv_scale) {
@@ -536,6 +536,10 @@ __device__ __forceinline__ void store_v_head(const FusionParams& f, Index token,
     float v[A];
     load_elements<VECTOR>(raw, v_row + c * A);
     if (v_base < 0) continue;
+    if (f.cache_format == kStoreInput) {  // v's own dtype: the bits as read
+      store_elements<VECTOR>(static_cast<T*>(f.v_cache) + row + static_cast<long long>(c) * A, raw);
+      continue;
+    }
 #pragma unroll
     for (int i = 0; i < A; ++i) v[i] = to_float(raw[i]);
     store_values<T, VECTOR>(f.v_cache, row + static_cast<long long>(c) * A, v, f.cache_format,
@@ -778,7 +782,13 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
             store_values<T, VECTOR>(t.out, t.out_offset + col, v, f.out_format, t.out_inv_scale);
           }
           if (t.cache_offset >= 0 && cache_now) {
-            store_values<T, VECTOR>(f.k_cache, t.cache_offset + col, v, f.cache_format, k_inv_scale);
+            if (f.cache_format == kStoreInput && !f.norm) {
+              // Unchanged values in their own dtype: the bits as read (NaN payloads included).
+              store_elements<VECTOR>(static_cast<T*>(f.k_cache) + t.cache_offset + col, raw);
+            } else {
+              store_values<T, VECTOR>(f.k_cache, t.cache_offset + col, v, f.cache_format,
+                                      k_inv_scale);
+            }
           }
         }
         if (gather) {

@@ -99,6 +99,20 @@ def backend_params(names=BACKEND_NAMES):
     return [pytest.param(n, marks=pytest.mark.gpu) if Backend(n).on_gpu else n for n in names]
 
 
+def host_values(backend: Backend, x) -> np.ndarray:
+    """A backend array's values as NumPy (torch fp8 as its ml_dtypes type; CuPy returns fp8 bits
+    as uint8)."""
+    if backend.framework == "torch":
+        import torch
+
+        x = x.detach().cpu()
+        if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            import ml_dtypes
+
+            return x.view(torch.uint8).numpy().view(getattr(ml_dtypes, str(x.dtype)[6:]))
+    return backend.get(x)
+
+
 def require(backend: Backend) -> None:
     """Skip when the backend's framework is not installed (JAX on GPU also needs its GPU)."""
     if backend.framework in ("torch", "jax"):

@@ -83,6 +83,17 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture
+def backend(request):
+    """The array backend a test is parametrised with (``indirect=True`` over
+    ``backends.backend_params``); skips when its framework is missing."""
+    from backends import Backend, require
+
+    b = Backend(request.param)
+    require(b)
+    return b
+
+
 def _seed_for(nodeid: str) -> int:
     text = nodeid + "|" + os.environ.get("CUPYROPE_TEST_SEED", "")
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")

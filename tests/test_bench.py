@@ -23,7 +23,8 @@ def test_help_works_without_a_gpu():
     result = subprocess.run([sys.executable, "-m", "cupyrope.bench", "--help"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    for option in ("--tokens", "--impls", "--repeats", "--no-check", "--out", "--fused"):
+    for option in ("--tokens", "--impls", "--repeats", "--no-check", "--out", "--fused", "--shapes",
+                   "--serving"):
         assert option in result.stdout
     assert "cupyrope-bench" in result.stdout  # the default output folder
 
@@ -571,3 +572,234 @@ def test_cli_jax_without_a_jax_gpu_says_so(capsys, monkeypatch):
     assert cli.main(["--jax", "--tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert "JAX GPU backend" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+# ---- shared scaffolding, head shapes and serving shapes -----------------------------------------
+
+from cupyrope.bench import cases, shapes  # noqa: E402
+from cupyrope.bench.fused import BLOCK_SIZE  # noqa: E402
+
+
+def test_latest_data_keeps_one_key_and_frees_the_previous_first():
+    import weakref
+
+    made, alive = [], weakref.WeakSet()
+
+    class Data:
+        def __init__(self, *key):
+            assert not list(alive), "the previous data must be freed before the next is made"
+            made.append(key)
+            alive.add(self)
+
+    latest = cases.LatestData(Data)
+    first = latest.get(4096, "bf16")
+    assert latest.get(4096, "bf16") is first and made == [(4096, "bf16")]
+    del first
+    second = latest.get(4096, "bf16", 20)
+    assert made == [(4096, "bf16"), (4096, "bf16", 20)] and list(alive) == [second]
+
+
+def test_guarded_skips_only_the_peers():
+    def boom():
+        raise RuntimeError("no kernel")
+
+    with pytest.raises(workloads.Unavailable, match="unfused-compile failed on this shape: "
+                                                    "RuntimeError: no kernel"):
+        cases.guarded("unfused-compile", boom)
+    for ours in ("copy", "cupyrope-fused", "cupyrope-mla", "plain-rope"):
+        with pytest.raises(RuntimeError, match="no kernel"):
+            cases.guarded(ours, boom)
+    with pytest.raises(workloads.Unavailable, match="not installed"):
+        cases.guarded("cupyrope-cache", lambda: (_ for _ in ()).throw(
+            workloads.Unavailable("not installed")))
+    assert cases.guarded("copy", lambda: 3) == 3
+
+
+def test_head_shapes_cover_every_head_dim_and_gqa_ratio_with_dram_sized_traffic():
+    found = shapes.head_shapes()
+    assert [(s.head_dim, s.num_q_heads // s.num_k_heads) for s in found] == [
+        (d, r) for d in (64, 80, 96, 256) for r in (1, 4, 8)]
+    for s in found:
+        traffic = 2 * s.tokens * (s.num_q_heads + s.num_k_heads) * s.head_dim * 2
+        assert s.num_q_heads == 32 and s.tokens & (s.tokens - 1) == 0 and s.tokens <= 65536
+        assert 256 * 2**20 <= traffic <= 2**30 or (s.tokens == 65536 and traffic >= 256 * 2**20)
+        assert s.tokens == 65536 or 2 * traffic > 2**30  # halved only as far as needed
+    assert shapes.bandwidth_tokens(32, 4, 64) == 65536
+    assert shapes.bandwidth_tokens(32, 32, 256) == 16384
+
+
+def test_head_shape_rows_move_the_bytes_of_their_heads():
+    shape = workloads.RopeShape(tokens=6, num_q_heads=4, num_k_heads=1, head_dim=80,
+                                max_position=64)
+    data = workloads.RopeData(shape, device="cpu")
+    work = workloads.make_workload("cupyrope-cache-inplace", data)
+    q, k, positions, cache = work.arg_sets[0]
+    unique_rows = len(set(positions.tolist()))
+    assert work.bytes_moved == 2 * (q.nbytes + k.nbytes) + positions.nbytes + unique_rows * 80 * 4
+    copy = workloads.make_workload("copy", data)
+    assert copy.bytes_moved == 2 * (q.nbytes + k.nbytes)
+
+
+@pytest.mark.parametrize("name", list(shapes.SERVING_LAYOUTS))
+@pytest.mark.parametrize("op", shapes.SERVING_OPS)
+def test_serving_fused_ops_agree_with_the_unfused_formulation_torch_compile_runs(name, op):
+    """What ``unfused-compile`` compiles (RMSNorm, the Hugging Face / vLLM-native rotation with
+    M-RoPE and partial rotary, index_copy_ into the caches), run eagerly on the host, gives the
+    fused op's numbers up to bf16 rounding: the two sides of a serving row compute the same
+    thing."""
+    from cupyrope.bench import fused
+
+    layout = shapes.SERVING_LAYOUTS[name]
+    data = shapes.serving_data(name, 16, device="cpu")
+    caches = data.caches(op) if op in fused.CACHE_OPS else ()
+    results = []
+    for fn in (shapes.serving_workload(op, "cupyrope-fused", data).fn,
+               fused.unfused(op, layout.rope())):
+        for cache in caches:
+            cache.zero_()
+        args = data.arg_sets(op)[0]
+        out = fn(args[0].clone(), args[1].clone(), *args[2:])
+        results.append([x.float() for x in out[:2]] + [c.float().clone() for c in caches])
+    for got, want in zip(*results):
+        assert torch.all((got - want).abs() <= 2.0 ** -6 * want.abs().amax(-1, keepdim=True))
+    if caches:
+        assert all(bool(c.abs().sum() > 0) for c in results[0][2:])
+
+
+@pytest.mark.parametrize("name", list(shapes.SERVING_LAYOUTS))
+def test_serving_byte_counts_are_the_arrays_bytes(name):
+    """Every byte the fused op must read and write once, counted from the arrays themselves."""
+    data = shapes.serving_data(name, 16, device="cpu")
+    lay = data.layout
+    q, k, v, positions = data.q[0], data.k[0], data.v[0], data.positions[0]
+    angle_rows = 16 * lay.rot * 4  # one fp32 cache row's worth a token
+    assert positions.shape == ((16,) if lay.mrope_section is None else (3, 16))
+    qk = 2 * (q.nbytes + k.nbytes)  # read and written once
+    assert data.bytes_moved("rms_norm_rope") == qk + positions.nbytes + angle_rows
+    cache_rows = 2 * k.nbytes  # k and v rows written into the bf16 caches
+    assert data.bytes_moved("rope_and_cache") == (qk + v.nbytes + cache_rows + positions.nbytes
+                                                  + angle_rows + data.slots[0].nbytes)
+    copy = shapes.serving_workload("rope_and_cache", "copy", data)
+    assert copy.bytes_moved == data.bytes_moved("rope_and_cache")
+    assert len(copy.arg_sets) == len(data.q)
+
+
+def test_spec_decode_batches_are_runs_of_draft_tokens():
+    """64 x 4 tokens: each sequence's draft tokens at consecutive positions and consecutive slots
+    of one block, sequences at unrelated contexts, no slot written twice."""
+    assert shapes.serving_tokens("spec-decode") == (256,)
+    assert shapes.serving_tokens("mrope") == shapes.SERVING_TOKENS
+    data = shapes.serving_data("spec-decode", 256, device="cpu")
+    for positions, slots in zip(data.positions, data.slots):
+        runs, slot_runs = positions.view(64, 4), slots.view(64, 4)
+        assert torch.equal(runs - runs[:, :1], torch.arange(4).expand(64, 4))
+        assert torch.equal(slot_runs - slot_runs[:, :1], torch.arange(4).expand(64, 4))
+        assert len(set((slot_runs[:, 0] // BLOCK_SIZE).tolist())) == 64
+        assert len(set(slots.tolist())) == 256 and len(set(runs[:, 0].tolist())) > 32
+        assert int(slots.max()) < data.k_cache.shape[0] * BLOCK_SIZE
+
+
+def test_serving_groups_and_ids_name_the_layout():
+    data = shapes.serving_data("mrope-interleaved", 16, device="cpu")
+    group = shapes.serving_group("rope_and_cache", "mrope-interleaved", data)
+    assert group.startswith("serving rope_and_cache mrope-interleaved (CUDA graph of 20 calls): "
+                            "bf16 q[16,32,128] k[16,8,128] neox interleaved M-RoPE [24, 20, 20]")
+    data = shapes.serving_data("rot-quarter", 1024, device="cpu")
+    assert "(eager): bf16 q[1024,16,256] k[1024,2,256] neox rotary_dim=64" in shapes.serving_group(
+        "rms_norm_rope", "rot-quarter", data)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The sweeps of :mod:`cupyrope.bench.shapes` on CPU data with a fake clock: the copy takes
+    2 µs, torch.compile (here the eager unfused sequence) 6 µs, the rest 4 µs."""
+    from cupyrope.bench import fused
+
+    monkeypatch.setattr(shapes, "require_cuda", lambda: torch)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    real_serving_data = shapes.serving_data
+    monkeypatch.setattr(shapes, "serving_data",
+                        lambda name, tokens: real_serving_data(name, tokens, device="cpu"))
+    monkeypatch.setattr(shapes, "RopeData", lambda shape: workloads.RopeData(shape, device="cpu"))
+    monkeypatch.setattr(fused, "peer_status", lambda: {"torch-compile-hf": None})
+    monkeypatch.setattr(fused, "_compiled", lambda op, rope: fused.unfused(op, rope))
+    ran = []
+
+    def fake_time_us(work, *, graph, repeats):
+        work.fn(*work.arg_sets[0])  # the workload must run
+        ran.append((work.name, graph))
+        return {"copy": 2.0, "unfused-compile": 6.0}.get(work.name, 4.0)
+
+    monkeypatch.setattr(cases, "time_us", fake_time_us)
+    return ran
+
+
+def test_serving_sweep_times_each_layout_op_and_impl(fake_gpu, capsys):
+    failures = []
+    rows = shapes.serving_sweep([32], layouts=("mrope", "spec-decode"), progress=False,
+                                failures=failures)
+    assert failures == []
+    assert [(r.layout, r.op, r.tokens, r.impl) for r in rows] == [
+        (name, op, t, impl) for name, t in (("mrope", 32), ("spec-decode", 256))
+        for op in shapes.SERVING_OPS for impl in shapes.SERVING_IMPLS]
+    assert all(graph for _, graph in fake_gpu)  # T <= 512: CUDA graphs
+    assert {r.impl: r.pct_of_copy for r in rows} == {
+        "copy": 100.0, "cupyrope-fused": 50.0, "unfused-compile": 100.0 / 3}
+    table = shapes.format_serving_table(rows, "Test GPU")
+    summary = _markdown_rows(table.split("\n\n")[1])
+    assert summary[2:] == [[name, op, str(t), "50.0", "1.50x"]
+                           for name, t in (("mrope", 32), ("spec-decode", 256))
+                           for op in shapes.SERVING_OPS]
+
+
+def test_shapes_sweep_notes_a_missing_peer_and_summarises_each_shape(fake_gpu, capsys):
+    small = [workloads.RopeShape(tokens=8, num_q_heads=4, num_k_heads=k, head_dim=d,
+                                 max_position=64) for d, k in ((64, 4), (80, 1))]
+    rows = shapes.shapes_sweep(small, impls=("copy", "cupyrope-cache", "cupyrope-cache-inplace",
+                                             "no-such-peer"), progress=False)
+    assert "no-such-peer: skipped" in capsys.readouterr().err
+    assert [(r.head_dim, r.num_k_heads, r.impl) for r in rows] == [
+        (d, k, impl) for d, k in ((64, 4), (80, 1))
+        for impl in ("copy", "cupyrope-cache", "cupyrope-cache-inplace")]
+    summary = _markdown_rows(shapes.format_shapes_table(rows, "Test GPU").split("\n\n")[1])
+    assert summary[2:] == [["64", "4/4", "8", "50.0", "50.0", "-", "-"],
+                           ["80", "4/1", "8", "50.0", "50.0", "-", "-"]]
+
+
+@pytest.mark.parametrize("option, stem", [("--shapes", "shapes_sweep"),
+                                          ("--serving", "serving_sweep")])
+def test_cli_shape_sweeps_write_their_table_and_json(monkeypatch, tmp_path, capsys, option, stem):
+    made = [shapes.ServingRow("mrope", "rope_and_cache", "copy", 4096, 2.0, 100.0, 100.0)]
+    monkeypatch.setattr(cli, "require_cuda", lambda: torch)
+    monkeypatch.setattr(cli, "device_name", lambda: "Test GPU")
+    monkeypatch.setattr(cli, "shapes_sweep", lambda **kw: made)
+    monkeypatch.setattr(cli, "serving_sweep", lambda tokens, **kw: made)
+    monkeypatch.setattr(cli, "format_shapes_table", lambda rows, name: "shapes table")
+    monkeypatch.setattr(cli, "format_serving_table", lambda rows, name: "serving table")
+    assert cli.main([option, "--out", str(tmp_path)]) == 0
+    assert sorted(os.listdir(tmp_path)) == [f"{stem}.json", f"{stem}.md"]
+    assert capsys.readouterr().out.startswith(stem.split("_")[0])
+
+
+def test_benchmark_summary_shows_speedups_over_torch_compile_and_liger(monkeypatch):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "conftest.py")
+    spec = importlib.util.spec_from_file_location("bench_conftest_under_test", path)
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    record = dict(tokens=512, dtype="bfloat16", gbps=100.0, pct_of_copy=90.0)
+    monkeypatch.setattr(conftest, "_RECORDS", [
+        dict(group="g", impl="copy", median_us=1.8, **record),
+        dict(group="g", impl="cupyrope-cache", median_us=2.0, **record),
+        dict(group="g", impl="torch-compile-hf", median_us=5.0, **record),
+        dict(group="g", impl="liger-inplace", median_us=3.0, **record),
+        dict(group="h", impl="cupyrope-fused", median_us=4.0, **record),
+        dict(group="h", impl="unfused-compile", median_us=10.0, **record)])
+    rows = _markdown_rows("\n".join(conftest._summary_lines()))
+    header = rows[0]
+    compile_col, liger_col = header.index("× torch.compile"), header.index("× Liger")
+    by_impl = {(r[0], r[1]): (r[compile_col], r[liger_col]) for r in rows[2:]}
+    assert by_impl[("g", "cupyrope-cache")] == ("2.50×", "1.50×")
+    assert by_impl[("h", "cupyrope-fused")] == ("2.50×", "")
+    assert by_impl[("g", "copy")] == by_impl[("g", "liger-inplace")] == ("", "")

@@ -26,7 +26,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cupyrope as cr  # noqa: E402
-from backends import Backend, backend_params, require  # noqa: E402
+from backends import Backend, backend_params  # noqa: E402
 from cupyrope import compat  # noqa: E402
 from cupyrope.compat import flashinfer  # noqa: E402
 from reference import reference_inv_freq, reference_rope  # noqa: E402
@@ -41,13 +41,6 @@ LENGTHS = [3, 0, 5, 1, 4]
 OFFSETS = [7, 50, 0, 100_003, 2_000]
 LLAMA31 = dict(rope_scale=8.0, rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
                old_context_len=8192)
-
-
-@pytest.fixture
-def backend(request) -> Backend:
-    b = Backend(request.param)
-    require(b)
-    return b
 
 
 @pytest.fixture

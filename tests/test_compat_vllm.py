@@ -25,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cupyrope as cr  # noqa: E402
-from backends import Backend, backend_params, require  # noqa: E402
+from backends import Backend, backend_params  # noqa: E402
 from cupyrope import compat  # noqa: E402
 from cupyrope.compat import vllm  # noqa: E402
 from reference import reference_rope  # noqa: E402
@@ -39,17 +39,10 @@ MAX_POSITION = 1024
 
 
 @pytest.fixture
-def backend(request) -> Backend:
-    b = Backend(request.param)
-    require(b)
-    return b
-
-
-@pytest.fixture
 def launches(monkeypatch):
     """The keyword arguments of every cupyrope op the vLLM adapters call (one per call
     expected), by op."""
-    seen = {"rope_and_cache": [], "apply_rope": []}
+    seen = {"rope_and_cache": [], "apply_rope": [], "write_unrotated": []}
     for name in seen:
         real = getattr(vllm, name)
 
@@ -104,15 +97,17 @@ def test_reshape_and_cache_flash(backend, rng, randn, launches, kv_cache_dtype, 
                              f"{kv_cache_dtype} rows")
         untouched = np.setdiff1d(np.arange(rows.shape[0]), slots[written])
         assert np.isnan(rows[untouched].astype(np.float32)).all(), "stray write"
-    (args, kwargs), = launches["rope_and_cache"]
-    assert args[0].shape == (n, 0, D)  # no q heads: nothing but the cache write
-    assert kwargs["rotary_dim"] == 2 and kwargs["inplace"] is False
+    (args, kwargs), = launches["write_unrotated"]  # cupyrope.write_cache: no rotation
+    assert args[0].shape == (n, Hk, D) and not launches["rope_and_cache"]
 
 
-def test_reshape_and_cache_flash_carries_every_value_past_the_first_two_dims(randn):
-    """Dims past the identity-rotated pair are copied whatever they hold (inf, NaN, -0.0)."""
+def test_reshape_and_cache_flash_carries_every_value(randn):
+    """Every dim is copied whatever it holds (inf, NaN, -0.0), the first two included: no
+    rotation touches them."""
     key = torch.from_numpy(randn((3, 2, 8)))
     key[:, :, 2:5] = torch.tensor([float("inf"), float("nan"), -0.0])
+    key[0, 0, :2] = torch.tensor([float("nan"), float("inf")])
+    key[1, 1, :2] = torch.tensor([float("-inf"), 3.0])
     value = torch.from_numpy(randn((3, 2, 8)))
     value[0, 0, 0] = float("-inf")
     caches = [torch.full((2, 4, 2, 8), 7.0) for _ in range(2)]

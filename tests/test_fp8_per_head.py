@@ -21,20 +21,13 @@ import numpy as np
 import pytest
 
 import cupyrope as cr
-from backends import Backend, backend_params, require
+from backends import Backend, backend_params
 from reference import reference_rope
 from tolerances import np_dtype
 
 FP8 = ["float8_e4m3fn", "float8_e5m2"]
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 TINY = float(np.finfo(np.float32).tiny)
-
-
-@pytest.fixture
-def backend(request) -> Backend:
-    b = Backend(request.param)
-    require(b)
-    return b
 
 
 def _host(backend: Backend, x, fmt: str | None = None) -> np.ndarray:
@@ -319,21 +312,6 @@ def test_rope_and_cache_per_row_refusals_write_nothing(rng, case, error, match):
         cr.rope_and_cache(q, k, v, None, kc, vc, slots, **kw)
     for x, b in zip((q, k, kc, vc, ks, vs), before):
         np.testing.assert_array_equal(x, b)
-
-
-def test_per_row_scales_on_jax_are_refused_with_what_takes_them():
-    jax = pytest.importorskip("jax")
-    jnp = jax.numpy
-    q, k = jnp.ones((3, 2, 16)), jnp.ones((3, 1, 16))
-
-    @jax.jit
-    def quantise(q, k):
-        return cr.apply_rope(q, k, jnp.arange(3), out_dtype="float8_e4m3fn", q_scale="per_head",
-                             k_scale="per_head")
-
-    with pytest.raises(NotImplementedError, match=r"per-row fp8 scales \(q_scale, k_scale\) "
-                                                  "are not available for JAX arrays yet"):
-        quantise(q, k)
 
 
 def test_plan_of_a_row_scaled_launch():

@@ -12,31 +12,13 @@ import numpy as np
 import pytest
 
 import cupyrope as cr
-from backends import Backend, angle_source, backend_params, require
+from backends import Backend, angle_source, backend_params, host_values
 from reference import reference_rope
 from tolerances import np_dtype, unit_roundoff
 
 BACKENDS = backend_params(["numpy", "torch", "jax", "cupy", "torch-cuda", "jax-gpu"])
 MUTABLE = backend_params(["numpy", "torch", "cupy", "torch-cuda"])
 FP8 = ["float8_e4m3fn", "float8_e5m2"]
-
-
-@pytest.fixture
-def backend(request) -> Backend:
-    b = Backend(request.param)
-    require(b)
-    return b
-
-
-def _host(backend: Backend, x) -> np.ndarray:
-    """A backend array's values as NumPy (fp8 bits that CuPy returns as uint8 included)."""
-    if backend.framework == "torch":
-        import torch
-
-        x = x.detach().cpu()
-        if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return x.view(torch.uint8).numpy().view(getattr(ml_dtypes, str(x.dtype)[6:]))
-    return backend.get(x)
 
 
 def _rms_norm64(x, weight, eps, weight_offset):
@@ -78,7 +60,7 @@ def test_rms_norm_rope_matches_the_reference(backend, rng, dtype, source, interl
     for x, w, out, name in ((q, wq, q_out, "q"), (k, wk, k_out, "k")):
         expected = reference_rope(_rms_norm64(x, w, 1e-6, weight_offset),
                                   interleaved=interleaved, **ref_kw)
-        got = _host(backend, out)
+        got = host_values(backend, out)
         assert got.dtype == np_dtype(dtype) and got.shape == x.shape
         _assert_close(got, expected, dtype, f"{backend} {name}")
 
@@ -122,7 +104,7 @@ def test_strided_norm_weights_take_the_general_fused_kernel(backend, rng, launch
         for x, out in ((q, q_out), (k, k_out)):
             expected = reference_rope(_rms_norm64(x, w2[::2], 1e-6, 0.0), positions,
                                       cos_sin_cache=cache)
-            _assert_close(_host(backend, out), expected, "float32", f"lean={lean}")
+            _assert_close(host_values(backend, out), expected, "float32", f"lean={lean}")
 
 
 # The fusions of each kernel specialisation of the lean fused kernel (fused_lean.cuh), with and
@@ -189,7 +171,7 @@ def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kern
                 for name, x in (("q", q), ("k", k))}
     out_scale = {"q": 0.5, "k": 0.25} if fp8 and not cache else {"q": 1.0, "k": 1.0}
     for name, out in (("q", q_out), ("k", k_out)):
-        got = _host(backend, out)
+        got = host_values(backend, out)
         if out_scale[name] != 1.0:  # fp8: 1 ulp (2^-3 relative) of the value it rounds
             got = got.view(np.dtype(getattr(ml_dtypes, fp8))) if got.dtype == np.uint8 else got
             exact = expected[name] / out_scale[name]
@@ -199,8 +181,8 @@ def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kern
             _assert_close(got, expected[name], dtype, f"{kernel} {case} {name}")
     if cache:
         valid = slots >= 0
-        got_k = _host(backend, k_cache).reshape(-1, Hk, D)[slots[valid]]
-        got_v = _host(backend, v_cache).reshape(-1, Hk, D)[slots[valid]]
+        got_k = host_values(backend, k_cache).reshape(-1, Hk, D)[slots[valid]]
+        got_v = host_values(backend, v_cache).reshape(-1, Hk, D)[slots[valid]]
         if fp8:
             got_k = got_k.view(fmt) if got_k.dtype == np.uint8 else got_k
             got_v = got_v.view(fmt) if got_v.dtype == np.uint8 else got_v
@@ -243,10 +225,10 @@ def test_rope_and_cache_many_tokens(backend, rng, dtype, interleaved, inplace, n
     for x, w, out, name in ((q, wq, q_out, "q"), (k, wk, k_out, "k")):
         expected[name] = reference_rope(_rms_norm64(x, w, 1e-6, 0.0) if norm else x, positions,
                                         cos_sin_cache=cache, interleaved=interleaved)
-        _assert_close(_host(backend, out), expected[name], dtype, f"{backend} {name}")
+        _assert_close(host_values(backend, out), expected[name], dtype, f"{backend} {name}")
     rows = slots >= 0
-    got_k = _host(backend, k_cache).reshape(-1, Hk, D)
-    got_v = _host(backend, v_cache).reshape(-1, Hk, D)
+    got_k = host_values(backend, k_cache).reshape(-1, Hk, D)
+    got_v = host_values(backend, v_cache).reshape(-1, Hk, D)
     _assert_close(got_k[slots[rows]], expected["k"][rows], dtype, f"{backend} k cache")
     np.testing.assert_array_equal(got_v[slots[rows]], v[rows])
     unwritten = np.ones(got_v.shape[0], bool)
@@ -267,7 +249,7 @@ def test_rms_norm_rope_in_place_on_fused_qkv_views(backend, rng):
     k = buf[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D)
     cr.rms_norm_rope(q, k, backend.put(w), backend.put(w), backend.put(positions), eps=1e-6,
                      cos_sin_cache=backend.put(cache), inplace=True)
-    got = _host(backend, buf)
+    got = host_values(backend, buf)
     np.testing.assert_array_equal(got[:, (Hq + Hk) * D:], qkv[:, (Hq + Hk) * D:])
     for lo, heads in ((0, Hq), (Hq * D, Hk)):
         x = qkv[:, lo:lo + heads * D].reshape(T, heads, D)
@@ -325,7 +307,7 @@ def test_fp8_outputs_round_the_exact_value_once(backend, rng, fp8):
                                  rotary_dim=64, out_dtype=fp8, q_scale=0.25, k_scale=2.0)
     fmt = np.dtype(getattr(ml_dtypes, fp8))
     for x, out, scale in ((q, q_out, 0.25), (k, k_out, 2.0)):
-        got = _host(backend, out)
+        got = host_values(backend, out)
         if got.dtype == np.uint8:  # CuPy: the bits
             got = got.view(fmt)
         assert got.dtype == fmt and got.shape == x.shape
@@ -343,7 +325,7 @@ def test_fp8_outputs_round_the_exact_value_once(backend, rng, fp8):
 def test_fp8_saturates_instead_of_overflowing(backend, fp8):
     q = np.full((2, 1, 8), 1e6, np.float32)
     q[1] = -1e6
-    out = _host(backend, cr.apply_rope(backend.put(q), positions=backend.put(np.zeros(2, np.int64)),
+    out = host_values(backend, cr.apply_rope(backend.put(q), positions=backend.put(np.zeros(2, np.int64)),
                                        out_dtype=fp8))
     fmt = np.dtype(getattr(ml_dtypes, fp8))
     values = out.view(fmt).astype(np.float64) if out.dtype == np.uint8 else out.astype(np.float64)
@@ -399,9 +381,9 @@ def test_rope_and_cache_writes_rotated_k_and_v(backend, rng, layout, block_size,
         cos_sin_cache=backend.put(cache), layout=layout)
     assert q_out is qd and k_out is kd and kc_out is kc and vc_out is vc
     k_rot = reference_rope(k, positions, cos_sin_cache=cache)
-    _assert_close(_host(backend, q_out), reference_rope(q, positions, cos_sin_cache=cache), dtype,
+    _assert_close(host_values(backend, q_out), reference_rope(q, positions, cos_sin_cache=cache), dtype,
                   "q")
-    rows_k, rows_v = _cache_rows(_host(backend, kc), layout), _cache_rows(_host(backend, vc), layout)
+    rows_k, rows_v = _cache_rows(host_values(backend, kc), layout), _cache_rows(host_values(backend, vc), layout)
     valid = slots >= 0
     _assert_close(rows_k[slots[valid]], k_rot[valid], dtype, "k cache")
     np.testing.assert_array_equal(rows_v[slots[valid]], v[valid])
@@ -426,7 +408,7 @@ def test_rope_and_cache_fp8_with_norm_in_one_call(backend, rng, fp8):
         backend.put(q), backend.put(k), backend.put(v), backend.put(positions), buf[:, 0],
         buf[:, 1], backend.put(slots), theta=1e6, k_scale=0.5, v_scale=2.0, q_weight=backend.put(w),
         k_weight=backend.put(w), eps=1e-6, inplace=False, **extra)
-    host = _host(backend, buf)
+    host = host_values(backend, buf)
     host = host.view(fmt) if host.dtype == np.uint8 else host
     valid = slots >= 0
     k_exact = reference_rope(_rms_norm64(k, w, 1e-6, 0.0), positions, theta=1e6) / 0.5
@@ -437,7 +419,7 @@ def test_rope_and_cache_fp8_with_norm_in_one_call(backend, rng, fp8):
         lo = np.nextafter(exact[valid].astype(np.float32), -np.inf).astype(fmt).astype(np.float64)
         hi = np.nextafter(exact[valid].astype(np.float32), np.inf).astype(fmt).astype(np.float64)
         assert np.all((got >= np.minimum(lo, hi)) & (got <= np.maximum(lo, hi)))
-    _assert_close(_host(backend, k_out),
+    _assert_close(host_values(backend, k_out),
                   reference_rope(_rms_norm64(k, w, 1e-6, 0.0), positions, theta=1e6), "float32",
                   "k_out")
 

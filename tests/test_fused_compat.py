@@ -29,7 +29,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cupyrope as cr  # noqa: E402
-from backends import Backend, backend_params, require  # noqa: E402
+from backends import Backend, backend_params  # noqa: E402
 from cupyrope import compat  # noqa: E402
 from reference import reference_rope  # noqa: E402
 from test_fused_mla import FP8, as_fp8, assert_fp8_close, host_values, put_fp8  # noqa: E402
@@ -37,13 +37,6 @@ from tolerances import assert_bits_equal, np_dtype, unit_roundoff  # noqa: E402
 
 TORCH = backend_params(["torch", "torch-cuda"])
 MAX_POSITION = 1024
-
-
-@pytest.fixture
-def backend(request) -> Backend:
-    b = Backend(request.param)
-    require(b)
-    return b
 
 
 def _rms_norm64(x, weight, eps):

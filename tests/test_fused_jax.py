@@ -22,7 +22,7 @@ jnp = pytest.importorskip("jax.numpy")
 pytest.importorskip("jax.experimental.buffer_callback")
 
 import cupyrope as cr  # noqa: E402
-from backends import Backend, angle_source, backend_params, require  # noqa: E402
+from backends import Backend, angle_source, backend_params  # noqa: E402
 from reference import reference_rope  # noqa: E402
 from test_fused import FP8, _assert_close, _cache_case, _cache_rows, _rms_norm64  # noqa: E402
 from test_jax_grad import jax_angles, jnp_rope, random  # noqa: E402
@@ -31,13 +31,6 @@ from tolerances import assert_bits_equal, np_dtype  # noqa: E402
 
 JAX = backend_params(["jax", "jax-gpu"])
 EPS = 1e-6
-
-
-@pytest.fixture
-def backend(request) -> Backend:
-    b = Backend(request.param)
-    require(b)
-    return b
 
 
 def _on(backend: Backend, lib: dict) -> tuple[dict, dict]:

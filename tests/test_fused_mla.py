@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import cupyrope as cr
-from backends import Backend, backend_params, require
+from backends import Backend, backend_params
 from reference import reference_rope
 from tolerances import assert_bits_equal, assert_rope_close, np_dtype
 
@@ -40,13 +40,6 @@ DEEPSEEK_V3 = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "m
                "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
 FP8 = ["float8_e4m3fn", "float8_e5m2"]
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
-
-
-@pytest.fixture
-def backend(request) -> Backend:
-    b = Backend(request.param)
-    require(b)
-    return b
 
 
 @pytest.fixture(scope="module")

@@ -370,7 +370,8 @@ def test_schemas_declare_what_each_operator_writes():
     written = {op.name: set(op.mutated) for op in torch_ops.FUSED_OPS}
     assert written == {"rms_norm_rope": set(), "rms_norm_rope_": {"q", "k"},
                        "apply_rope_fp8": set(), "rope_and_cache": {"k_cache", "v_cache"},
-                       "rope_and_cache_": {"q", "k", "k_cache", "v_cache"}}
+                       "rope_and_cache_": {"q", "k", "k_cache", "v_cache"},
+                       "write_cache": {"k_cache", "v_cache"}}
     apply_rope = torch.ops.cupyrope.apply_rope.default._schema.arguments
     for op in torch_ops.FUSED_OPS:
         schema = getattr(torch.ops.cupyrope, op.name).default._schema

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import cupyrope as cr
-from backends import Backend, backend_params, require
+from backends import Backend, backend_params
 from cupyrope.core.numpy_path import e2m1_codes, nvfp4_quantize
 from reference import reference_rope
 from tolerances import np_dtype
@@ -30,13 +30,6 @@ from tolerances import np_dtype
 E2M1_GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 POISON = 0xA5  # cache bytes that no call should touch where no slot points
-
-
-@pytest.fixture
-def backend(request) -> Backend:
-    b = Backend(request.param)
-    require(b)
-    return b
 
 
 def decode_nvfp4(packed: np.ndarray, block_scales: np.ndarray, global_scale: float) -> np.ndarray:
@@ -298,16 +291,6 @@ def test_nvfp4_refusals_write_nothing(rng, case, error, match):
         cr.rope_and_cache(q, k, v, None, kc, vc, slots, **kw)
     for x, b in zip((q, k, kc, vc, ks, vs), before):
         np.testing.assert_array_equal(x, b)
-
-
-def test_nvfp4_on_jax_is_refused_with_what_takes_it():
-    jax = pytest.importorskip("jax")
-    jnp = jax.numpy
-    q, k = jnp.ones((3, 2, 16)), jnp.ones((3, 1, 16))
-    cache, scales = jnp.zeros((2, 2, 1, 8), jnp.uint8), jnp.zeros((2, 2, 1, 1), jnp.uint8)
-    with pytest.raises(NotImplementedError, match="NVFP4 caches .* are not available for JAX"):
-        cr.rope_and_cache(q, k, k, jnp.arange(3), cache, cache, jnp.arange(3), inplace=False,
-                          cache_dtype="nvfp4", k_cache_scales=scales, v_cache_scales=scales)
 
 
 def test_torch_compile_and_opcheck_of_the_nvfp4_cache_write(rng):

@@ -8,19 +8,12 @@ import numpy as np
 import pytest
 
 import cupyrope as cr
-from backends import Backend, angle_source, backend_params, require
+from backends import angle_source, backend_params
 from reference import reference_rope
 from tolerances import assert_rope_close, np_dtype
 
 MUTABLE = backend_params(["numpy", "torch", "cupy", "torch-cuda"])
 T, HQ, HK, D = 11, 4, 2, 64
-
-
-@pytest.fixture
-def backend(request) -> Backend:
-    b = Backend(request.param)
-    require(b)
-    return b
 
 
 def _qk(rng, dtype="float32"):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cupyrope as cr
-from backends import Backend, backend_params, require
+from backends import Backend, backend_params
 from reference import reference_inv_freq, reference_rope
 from tolerances import ANGLE_EPS, C_COMPUTE, assert_bits_equal, np_dtype
 
@@ -34,13 +34,6 @@ FP8_SCALE = {"float8_e4m3fn": 1 / 16, "float8_e5m2": 1 / 64}
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}  # their largest finite values
 THETA = 10000.0
 MAX_POSITION = 512
-
-
-@pytest.fixture
-def backend(request) -> Backend:
-    b = Backend(request.param)
-    require(b)
-    return b
 
 
 def _fmt(name: str) -> np.dtype:

@@ -20,20 +20,13 @@ import pytest
 import cupyrope as cr
 from autograd_cases import SOURCES as AUTOGRAD_SOURCES
 from autograd_cases import angle_call, to_torch, torch_reference_rope
-from backends import Backend, backend_params, require, rope_and_check
+from backends import Backend, backend_params, rope_and_check
 from tolerances import assert_bits_equal, np_dtype
 
 MUTABLE = backend_params(["numpy", "torch", "cupy", "torch-cuda"])
 TORCH = backend_params(["torch", "torch-cuda"])
 T, HQ, HK, D = 7, 4, 2, 64
 SENTINEL = 3.25  # between-head elements of the buffers: never written
-
-
-@pytest.fixture
-def backend(request) -> Backend:
-    b = Backend(request.param)
-    require(b)
-    return b
 
 
 def _swap_last(backend: Backend, x):

@@ -3,8 +3,7 @@
 ops, ``reshape_and_cache_flash``, and RoPE fused with ``reshape_and_cache_flash``.
 
 Each function takes the arguments of the call it replaces (torch tensors, CUDA or CPU) and maps
-them onto one cupyrope op through views: no copy of q, k, v or the caches
-(``fused_qk_norm_rope_kvcache`` copies its results into the ``q_out`` / ``k_out`` given). The helpers at the end
+them onto one cupyrope op through views: no copy of q, k, v or the caches. The helpers at the end
 (head views, cache formats and scales, the cache write) are shared with the SGLang adapter.
 """
 
@@ -13,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..api import apply_rope, rms_norm_rope, rope_and_cache
+from ..api import write_cache as write_unrotated  # write_cache below is the adapters' helper
 from ..core.dtypes import FP8_DTYPES, dtype_name_of
 from ..cuda.recipes import call_key, recipes, replay
 from ..mla import latent_cache_write
@@ -156,7 +156,7 @@ def rope_and_reshape_and_cache_flash(positions, query, key, value, key_cache, va
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                             k_scale, v_scale):
     """vLLM's ``reshape_and_cache_flash``: write key and value, unrotated, into the flash-layout
-    paged caches, in one launch of :func:`cupyrope.rope_and_cache`.
+    paged caches, in one launch of :func:`cupyrope.write_cache`.
 
     Parameters
     ----------
@@ -176,19 +176,9 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         fp8 caches store ``fp8(value / scale)``, saturated (vLLM's convention). Per-head scales
         are not supported.
 
-    Returns None (as vLLM's op).
-
-    Notes
-    -----
-    cupyrope has no op that only writes a cache, so this runs the narrowest one that does,
-    :func:`cupyrope.rope_and_cache`, with an exact identity rotation: a one-row table
-    ``[cos, sin] = [1, 0]`` read at position 0 for the first two dims of each head, and no q
-    heads (a zero-head view of key). ``x * 1 - y * 0`` is ``x`` bit for bit for every finite ``y``,
-    so finite keys are cached exactly as vLLM caches them (and fp8 entries are the same
-    ``fp8(x / scale)``); a key whose dim 0 or 1 is inf or NaN gets NaN in the other of the two
-    (``inf * 0``). The launch also writes a rotated copy of key into a new tensor that is
-    dropped (``T * Hk * head_size`` elements more than vLLM's kernel writes). key and value are
-    never written.
+    Returns None (as vLLM's op). Every value is stored as it is: a cache of key's dtype gets the
+    bits of key and value (inf and NaN included), an fp8 cache ``fp8(x / scale)``. key and value
+    are never written.
     """
     op_name = "reshape_and_cache_flash"
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -214,11 +204,8 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     if kind is None:  # "auto": checked all the same, then not used
         scales = {}
     n = slot_mapping.shape[0]
-    k, v = key[:n], value[:n]  # the tokens without a slot are not read at all
-    table, position = identity_rotation(key)
-    rope_and_cache(k[:, :0], k, v, position, key_cache, value_cache, slot_mapping,
-                   cos_sin_cache=table, rotary_dim=2, layout="NHD",
-                   cache_dtype=kind if kind in FP8_DTYPES else None, inplace=False, **scales)
+    write_unrotated(key[:n], value[:n], key_cache, value_cache, slot_mapping, layout="NHD",
+                    cache_dtype=kind if kind in FP8_DTYPES else None, **scales)
 
 
 def fused_qk_norm_rope_kvcache(qkv, q_out, k_out, num_heads_q, num_heads_k, num_heads_v,
@@ -256,11 +243,9 @@ def fused_qk_norm_rope_kvcache(qkv, q_out, k_out, num_heads_q, num_heads_k, num_
 
     Notes
     -----
-    One launch of :func:`cupyrope.rope_and_cache` reads qkv, writes the caches and returns
-    the normalised, rotated q and k as new tensors, which are then copied into q_out and k_out
-    (two device copies: cupyrope's fused ops allocate their outputs, where vLLM's kernel
-    writes the given ones). A slot_mapping shorter than T is padded with -1 on the device (two
-    small kernels). Every check runs before anything is written.
+    One launch of :func:`cupyrope.rope_and_cache` reads qkv and writes the caches, q_out and
+    k_out (``out=``: no copy). A slot_mapping shorter than T is padded with -1 on the device
+    (two small kernels). Every check runs before anything is written.
     """
     op_name = "fused_qk_norm_rope_kvcache"
     q, k, v = split_qkv(op_name, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, is_neox,
@@ -282,12 +267,10 @@ def fused_qk_norm_rope_kvcache(qkv, q_out, k_out, num_heads_q, num_heads_k, num_
                          f"(one per token), got shape {tuple(slot_mapping.shape)}")
     cache_kind(key_cache, value_cache, None, qkv.dtype, op_name,
                "kv_cache_dtype='auto' (the one cache format of this vLLM op)")
-    q_new, k_new, _, _ = rope_and_cache(
+    rope_and_cache(
         q, k, v, position_ids, key_cache, value_cache, padded_slots(slot_mapping, num_tokens),
         cos_sin_cache=cos_sin_cache, interleaved=not is_neox, q_weight=q_weight,
-        k_weight=k_weight, eps=eps, layout="NHD", inplace=False)
-    q_out.copy_(q_new)
-    k_out.copy_(k_new)
+        k_weight=k_weight, eps=eps, layout="NHD", inplace=False, out=(q_out, k_out))
 
 
 def batched_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rot_dim,

@@ -1,6 +1,7 @@
 """Checks of what the fused ops add to a rotation: RMSNorm weights, fp8 outputs and their scales
 (one per tensor, or one per (token, head) row computed by the call), and the KV-cache write (v,
-the paged caches in the input dtype, fp8 or NVFP4, the slot mapping). :func:`plan_fusion` turns
+the paged caches in the input dtype, fp8 or NVFP4, the slot mapping), the cache write without a
+rotation (``write_cache``) and the ``out=`` arrays of the fused ops. :func:`plan_fusion` turns
 those arguments into a :class:`FusionPlan` or raises, before anything is allocated, launched or
 written.
 """
@@ -12,11 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .abi import StoreFormat
-from .arrays import ArrayInfo, describe, to_host
+from .abi import AngleSource, StoreFormat
+from .arrays import ArrayInfo, describe, in_place_refusal, to_host
 from .dtypes import FP8_DTYPES, ITEMSIZE, POSITION_DTYPES, dtype_name_of, refused_dtype_error
 from .overlap import shares_memory
 from .plan import RopePlan, check_values, operands_of, plan_rope
+from .plan import _check_written_layout as check_written_layout
 from .validators import check_real
 
 # Largest finite value of each fp8 format: stores saturate there.
@@ -55,6 +57,9 @@ class FusionPlan:
 
     op_name: str
     norm: bool = False
+    # False: no rotation at all (``write_cache``): k and v go to the caches as they are (the plan's
+    # rotary_dim is 0, no angle is read) and nothing is written to q_out / k_out.
+    rotate: bool = True
     q_weight: ArrayInfo | None = None
     k_weight: ArrayInfo | None = None
     eps: float = 0.0
@@ -181,8 +186,8 @@ def _row_scales(value, name: str, op_name: str, q: ArrayInfo, shape: tuple[int, 
                              f"beside the cache; pass the float32 array of shape {shape} that "
                              "keeps them")
         raise ValueError(f"{op_name}: {name}='per_head' makes new scale arrays only in apply_rope "
-                         "and rms_norm_rope, for CuPy, torch and NumPy arrays with a token dim; "
-                         f"pass a float32 array of shape {shape} ({what}) to fill")
+                         "and rms_norm_rope, for CuPy, torch, JAX and NumPy arrays with a token "
+                         f"dim; pass a float32 array of shape {shape} ({what}) to fill")
     info = describe(value, name)
     if info.shape != tuple(shape):
         raise ValueError(f"{op_name}: {name} holds the scales of {what}, one per row: it must have "
@@ -320,14 +325,18 @@ def plan_fusion(op_name: str, q: ArrayInfo, k: ArrayInfo | None, *, q_weight=Non
                 eps=None, weight_offset=0.0, norm=False, out_dtype=None, q_scale=None,
                 k_scale=None, v=None, k_cache=None, v_cache=None, slot_mapping=None,
                 layout="NHD", v_scale=None, cache_dtype=None, k_cache_scales=None,
-                v_cache_scales=None) -> FusionPlan:
-    """Check the fused part of a call (see :func:`cupyrope.rms_norm_rope` and
-    :func:`cupyrope.rope_and_cache` for the arguments)."""
+                v_cache_scales=None, rotate=True) -> FusionPlan:
+    """Check the fused part of a call (see :func:`cupyrope.rms_norm_rope`,
+    :func:`cupyrope.rope_and_cache` and :func:`cupyrope.write_cache` for the arguments)."""
     if q.dtype not in WEIGHT_DTYPES:
-        raise TypeError(f"{op_name}: q must be float16, bfloat16 or float32 for the fused ops, got "
-                        f"{q.dtype} (apply_rope rotates float64)")
+        what = "k" if not rotate else "q"
+        raise TypeError(f"{op_name}: {what} must be float16, bfloat16 or float32 for the fused ops, "
+                        f"got {q.dtype}" + (" (apply_rope rotates float64)" if rotate else ""))
     head_dim = q.shape[-1]
-    plan = FusionPlan(op_name=op_name)
+    plan = FusionPlan(op_name=op_name, rotate=rotate is not False)
+    if not plan.rotate and (norm or out_dtype is not None or k_cache is None):
+        raise ValueError(f"{op_name}: a call without rotation only writes k and v into a KV cache "
+                         "(no norm, no fp8 outputs)")
     if norm:
         plan.norm = True
         if eps is None:
@@ -376,6 +385,7 @@ def plan_fusion(op_name: str, q: ArrayInfo, k: ArrayInfo | None, *, q_weight=Non
 def _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_scale,
                       cache_dtype, *, v_scale_given: bool = False) -> None:
     op_name = plan.op_name
+    src = "q" if plan.rotate else "k"  # write_cache's q is a zero-head view of k: name k
     # An NVFP4 cache holds two e2m1 values a byte: head_dim // 2 bytes a row.
     nvfp4 = isinstance(cache_dtype, str) and cache_dtype == NVFP4
     if any(x is None for x in (k, v, k_cache, v_cache, slot_mapping)):
@@ -385,7 +395,7 @@ def _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_s
                          f"as vLLM and SGLang lay out a batch), got shape {q.shape}")
     plan.v = describe(v, "v")
     if plan.v.kind != q.kind or plan.v.device != q.device or plan.v.dtype != q.dtype:
-        raise TypeError(f"{op_name}: v must be the array type, device and dtype of q "
+        raise TypeError(f"{op_name}: v must be the array type, device and dtype of {src} "
                         f"({q.kind}, {q.where()}, {q.dtype}), got ({plan.v.kind}, "
                         f"{plan.v.where()}, {plan.v.dtype})")
     if plan.v.shape != k.shape:
@@ -405,8 +415,8 @@ def _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_s
     for name, value in (("k_cache", k_cache), ("v_cache", v_cache)):
         info = describe(value, name)
         if info.kind != q.kind or info.device != q.device:
-            raise TypeError(f"{op_name}: {name} must be the array type and device of q ({q.kind}, "
-                            f"{q.where()}), got ({info.kind}, {info.where()})")
+            raise TypeError(f"{op_name}: {name} must be the array type and device of {src} "
+                            f"({q.kind}, {q.where()}), got ({info.kind}, {info.where()})")
         if info.ndim != 4:
             raise ValueError(f"{op_name}: {name} must be 4-d ({_layout_text(layout)}), got shape "
                              f"{info.shape}")
@@ -456,12 +466,19 @@ def _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_s
             raise ValueError(f"{op_name}: cache_dtype {named} but the caches are {kc.dtype}")
         plan.cache_dtype = None
     else:
-        raise TypeError(f"{op_name}: the caches must have q's dtype {q.dtype}, an fp8 dtype, or "
-                        f"uint8 with cache_dtype, got {kc.dtype}")
+        raise TypeError(f"{op_name}: the caches must have {src}'s dtype {q.dtype}, an fp8 dtype, "
+                        f"or uint8 with cache_dtype, got {kc.dtype}")
     if plan.cache_dtype is None and (v_scale is not None or v_scale_given):
         raise ValueError(f"{op_name}: v_scale is only used with an fp8 cache")
     plan.v_scale = _scale(v_scale, "v_scale", op_name, q)
 
+    plan.slot_mapping = check_slot_mapping(slot_mapping, num_tokens, q, op_name, src)
+
+
+def check_slot_mapping(slot_mapping, num_tokens: int, q: ArrayInfo, op_name: str,
+                       name_of_q: str = "q") -> ArrayInfo:
+    """A cache write's ``slot_mapping``: int32 or int64, one slot per token, on the device of q
+    (the array called ``name_of_q`` in messages)."""
     slots = describe(slot_mapping, "slot_mapping")
     if slots.dtype not in POSITION_DTYPES:
         raise TypeError(f"{op_name}: slot_mapping must be int32 or int64, got {slots.dtype}")
@@ -469,8 +486,9 @@ def _plan_cache_write(plan, q, k, v, k_cache, v_cache, slot_mapping, layout, v_s
         raise ValueError(f"{op_name}: slot_mapping must have shape ({num_tokens},) (one slot per "
                          f"token), got {slots.shape}")
     if slots.device != q.device:
-        raise ValueError(f"{op_name}: slot_mapping is on {slots.where()} but q is on {q.where()}")
-    plan.slot_mapping = slots
+        raise ValueError(f"{op_name}: slot_mapping is on {slots.where()} but {name_of_q} is on "
+                         f"{q.where()}")
+    return slots
 
 
 def _layout_text(layout: str) -> str:
@@ -526,7 +544,10 @@ def plan_fused(op_name: str, q, k, positions, *, rope: dict, fusion: dict, valid
     fused part's, then the memory each written array may not share."""
     if fusion.get("out_dtype") is not None and rope.get("inplace"):
         raise ValueError(f"{op_name}: an fp8 out_dtype needs new outputs: pass inplace=False")
-    plan = plan_rope(q, k, positions, op_name=op_name, **rope)
+    if fusion.get("rotate", True) is False:
+        plan = _plan_unrotated(op_name, q, k, rope)
+    else:
+        plan = plan_rope(q, k, positions, op_name=op_name, **rope)
     fused = plan_fusion(op_name, plan.q, plan.k, **fusion)
     for name, info in fused.operands():
         if info.on_gpu and info.ptr % ITEMSIZE[info.dtype]:
@@ -543,6 +564,86 @@ def plan_fused(op_name: str, q, k, positions, *, rope: dict, fusion: dict, valid
     check_written_alone(fused, operands)
     plan.fusion = fused
     if validate:
-        check_values(plan)
+        if fused.rotate:
+            check_values(plan)
         check_slot_values(fused)
     return plan
+
+
+def _plan_unrotated(op_name: str, q, k, rope: dict) -> RopePlan:
+    """The plan of a call that rotates nothing (``write_cache``: q a zero-head view of k): k and q
+    checked as a rotation's operands, then rotary_dim 0 and no angle source, so that the fused
+    kernel reads no angle and passes every dim through (a table-less TOKEN_TABLES launch: no
+    frequency table to upload, so a CUDA graph can capture it without a warmup)."""
+    if any(rope.get(name) is not None for name in ("cos_sin_cache", "cos", "sin", "rotary_dim",
+                                                    "scaling", "seq_len")):
+        raise ValueError(f"{op_name}: a call without rotation takes no angle source or rotary_dim")
+    head_dim = describe(k, "k").shape[-1] if k is not None else 0
+    if head_dim < 2:
+        raise ValueError(f"{op_name}: k must be [num_tokens, num_heads, head_dim] with head_dim "
+                         f">= 2, got shape {describe(k, 'k').shape if k is not None else None}")
+    plan = plan_rope(q, k, None, op_name=op_name, rotary_dim=2, inplace=False,
+                     interleaved=False, inverse=False)  # the operands' checks only
+    plan.rotary_dim = 0
+    plan.source = AngleSource.TOKEN_TABLES
+    plan.positions, plan.positions_strides, plan.inv_freq = None, (), None
+    return plan
+
+
+def plan_fused_outputs(plan: RopePlan, out) -> list[ArrayInfo]:
+    """The ``q_out`` / ``k_out`` arrays a fused call writes into (``out=``): each of its input's
+    array type, shape and device, of the output dtype (fp8 when asked), writable, with no two
+    indices on one element, a unit last stride (the fused kernels address whole, dense heads),
+    sharing no element with an operand or with each other."""
+    f = plan.fusion
+    op_name = plan.op_name
+    names = ("q_out", "k_out")[:1 if plan.k is None else 2]
+    expected = "q_out" if plan.k is None else "(q_out, k_out)"
+    if plan.k is None and not isinstance(out, (tuple, list)):
+        out = (out,)
+    if not isinstance(out, (tuple, list)) or len(out) != len(names):
+        got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
+        raise TypeError(f"{op_name}: out must be {expected} for a call "
+                        f"{'without' if plan.k is None else 'with'} k, got {got}")
+    if plan.inplace:
+        raise ValueError(f"{op_name}: pass inplace=True (write into q and k) or out= (write into "
+                         "other arrays), not both")
+    dtype = f.out_dtype or plan.q.dtype
+    infos = []
+    for name, x, like in zip(names, out, (plan.q, plan.k)):
+        info = describe(x, name)
+        if info.kind != like.kind or info.device != like.device:
+            raise TypeError(f"{op_name}: {name} must be a {like.kind} array on {like.where()} like "
+                            f"{name[0]}, got a {info.kind} array on {info.where()}")
+        if info.kind == "jax" or not info.writable:
+            raise TypeError(f"{op_name}: out= writes into its arrays and {name} is "
+                            f"{'an immutable JAX array' if info.kind == 'jax' else 'read-only'}; "
+                            "use the returned arrays instead")
+        if info.shape != like.shape or info.dtype != _stored_dtype(dtype, info):
+            raise ValueError(f"{op_name}: {name} must have shape {like.shape} and dtype {dtype}, "
+                             f"got shape {info.shape} and dtype {info.dtype}")
+        refusal = in_place_refusal(info)
+        if refusal is not None:
+            raise RuntimeError(f"{op_name}: {name} {refusal}")
+        if info.size and info.strides[-1] != 1 and info.shape[-1] > 1:
+            raise ValueError(f"{op_name}: {name} must have stride 1 in its last dim (head_dim) for "
+                             f"the fused ops, got strides {info.strides}")
+        check_written_layout(info, name, op_name, "")
+        if info.on_gpu and info.ptr % ITEMSIZE[info.dtype]:
+            raise ValueError(f"{op_name}: {name}'s data pointer {info.ptr:#x} is not a multiple of "
+                             f"its element size ({ITEMSIZE[info.dtype]} bytes)")
+        infos.append(info)
+    operands = operands_of(plan) + f.operands() + list(zip(names, infos))
+    for written, info in zip(names, infos):
+        for other, other_info in operands:
+            if other != written and shares_memory(info, other_info):
+                raise ValueError(f"{op_name}: {written} shares memory with {other}; out= arrays "
+                                 "must not overlap any argument (use inplace=True to write into q "
+                                 "and k)")
+    return infos
+
+
+def _stored_dtype(dtype: str, info: ArrayInfo) -> str:
+    """The dtype an output of ``dtype`` has in ``info``'s array type: CuPy, which has no fp8
+    dtype, holds fp8 bits as uint8."""
+    return "uint8" if dtype in FP8_DTYPES and info.dtype == "uint8" else dtype

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arrays import ArrayInfo, describe, host_view
-from .dtypes import FP8_DTYPES, POSITION_DTYPES
-from .fused_plan import FusionPlan, Scale, _scale, check_slot_values, fp8_name
+from .dtypes import FP8_DTYPES
+from .fused_plan import (FusionPlan, Scale, _scale, check_slot_mapping, check_slot_values,
+                         fp8_name)
 from .numpy_path import _put, cos_sin_per_token, store_as
 from .overlap import shares_memory
 from .plan import RopePlan, check_values, plan_rope
@@ -186,14 +187,7 @@ def _plan_latent_cache(mla: MlaPlan, kv_c, kv_cache, slot_mapping, cache_dtype, 
     if mla.cache_dtype is None and kv_scale is not None:
         raise ValueError(f"{op_name}: kv_scale is only used with an fp8 kv_cache")
     mla.kv_scale = _scale(kv_scale, "kv_scale", op_name, q)
-    slots = describe(slot_mapping, "slot_mapping")
-    if slots.dtype not in POSITION_DTYPES:
-        raise TypeError(f"{op_name}: slot_mapping must be int32 or int64, got {slots.dtype}")
-    if slots.shape != (num_tokens,):
-        raise ValueError(f"{op_name}: slot_mapping must have shape ({num_tokens},) (one slot per "
-                         f"token), got {slots.shape}")
-    if slots.device != q.device:
-        raise ValueError(f"{op_name}: slot_mapping is on {slots.where()} but q is on {q.where()}")
+    slots = check_slot_mapping(slot_mapping, num_tokens, q, op_name)
     for name, info in (("q", q), ("k_pe", k_pe), ("kv_c", latent), ("slot_mapping", slots)):
         if shares_memory(cache, info):
             raise ValueError(f"{op_name}: kv_cache shares memory with {name}; pass arrays that "

@@ -188,6 +188,10 @@ def fused_on_host(plan: RopePlan, outputs) -> None:
     outputs (input dtype or fp8) and to the KV cache, with the kernels' arithmetic."""
     check_dense_heads(plan)  # as the fused kernels, so that both paths accept the same calls
     f = plan.fusion
+    if not f.rotate:  # write_cache: k and v into the caches as they are, nothing else written
+        _write_cache(plan, np.asarray(host_view(plan.k)).astype(np.float32),
+                     k_raw=np.asarray(host_view(plan.k)))
+        return
     cos, sin = cos_sin_per_token(plan)
     cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
     r, half = plan.rotary_dim, plan.rotary_dim // 2
@@ -223,9 +227,10 @@ def fused_on_host(plan: RopePlan, outputs) -> None:
         _write_cache(plan, rotated[1])
 
 
-def _write_cache(plan: RopePlan, k_rotated: np.ndarray) -> None:
-    """Rotated k and unchanged v into the rows of their slots (padding and slots past the cache
-    are skipped, as on the GPU)."""
+def _write_cache(plan: RopePlan, k_rotated: np.ndarray, k_raw: np.ndarray | None = None) -> None:
+    """Rotated k (``k_raw``, when given, k unrotated) and unchanged v into the rows of their slots
+    (padding and slots past the cache are skipped, as on the GPU). Values stored unchanged in a
+    cache of their own dtype are copied bit for bit (NaN payloads included), as the kernels do."""
     f = plan.fusion
     slots = np.asarray(host_view(f.slot_mapping)).astype(np.int64)
     valid = (slots >= 0) & (slots < f.num_slots)
@@ -247,6 +252,13 @@ def _write_cache(plan: RopePlan, k_rotated: np.ndarray) -> None:
             stored, row_scales = store_per_row(rows, dtype)
             _put(np.asarray(host_view(cache)), index, stored)
             np.asarray(host_view(scale.rows))[index] = row_scales
+        return
+    if f.cache_dtype is None:
+        if k_raw is None:
+            _write(np.asarray(host_view(f.k_cache)), index, k_rotated[valid], dtype, 1.0)
+        else:
+            np.asarray(host_view(f.k_cache))[index] = k_raw[valid]
+        np.asarray(host_view(f.v_cache))[index] = np.asarray(host_view(f.v))[valid]
         return
     _write(np.asarray(host_view(f.k_cache)), index, k_rotated[valid], dtype, f.k_scale.value)
     _write(np.asarray(host_view(f.v_cache)), index, v[valid], dtype, f.v_scale.value)

@@ -354,6 +354,8 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
     sin_offset = None
     if plan.source == AngleSource.COMPUTED:
         p["inv_freq"] = inv_freq_ptr
+    elif plan.rotary_dim == 0:
+        pass  # no rotation (write_cache): no angle is read, tables or not
     else:
         table = plan.table
         table_dtype = table.dtype
@@ -504,10 +506,11 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     measured throughput of the work per thread that many heads make (_THROUGHPUT_BY_WORK).
     """
     chunks = (plan.rotary_dim // 2) // pairs
-    lanes = max(1, min(chunks, 32))
+    pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
+    # Without rotation (rotary_dim 0: write_cache) the lanes split the copied chunks instead.
+    lanes = max(1, min(chunks or pass_chunks, 32))
     if power_of_two_lanes:  # RMSNorm sums a head over its lanes with warp shuffles (fused.cuh)
         lanes = 1 << (lanes - 1).bit_length()
-    pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
     # 16-byte accesses per head and thread: both halves (NeoX) or one (interleaved), plus a share
     # of the copied dims (a copy is a load and a store, like a rotated access).
     accesses_per_head = (1 if plan.interleaved else 2) * -(-chunks // lanes) + pass_chunks / lanes
@@ -568,7 +571,7 @@ def _norm_weights_vector_ok(fusion) -> bool:
 
 
 def fused_ring(plan: RopePlan, fusion, vector: bool) -> bool:
-    return (vector and (fusion.norm or fusion.writes_cache)
+    return (vector and (fusion.norm or fusion.writes_cache) and plan.rotary_dim > 0
             and plan.num_tokens >= FUSED_RING_MIN_TOKENS
             and not fusion.row_scaled)  # rows are gathered instead (kernels_cu/fused.cuh)
 
@@ -624,7 +627,7 @@ def fusion_struct(plan: RopePlan, fusion, copy_pass: bool) -> np.ndarray:
     """The FusionParams of a fused launch."""
     f = np.zeros((), dtype=FUSION_PARAMS_DTYPE)
     f["norm"] = fusion.norm
-    f["write_pass_through"] = copy_pass and (not plan.inplace or fusion.norm)
+    f["write_pass_through"] = copy_pass and (not plan.inplace or fusion.norm) and fusion.rotate
     if fusion.norm:
         f["q_weight"], f["q_weight_stride"] = fusion.q_weight.ptr, fusion.q_weight.strides[0]
         if fusion.k_weight is not None:

@@ -15,8 +15,8 @@ from ... import execute
 from ...core.arrays import cupy_module, cupy_view_of_buffer, describe, on_gpu_buffer
 from ...core.dtypes import FP8_DTYPES, dtype_name
 from ...core.plan import check_values, plan_rope
-from .planning import (CACHES, ROPE_ARRAYS, FusedCall, RotationOptions, plan_fused_call,
-                       rope_operands_by_name)
+from .planning import (CACHES, ROPE_ARRAYS, SCALED, FusedCall, RotationOptions,
+                       plan_fused_call, rope_operands_by_name)
 
 
 def rope_outputs(*operands, rotation: RotationOptions, present: tuple[bool, ...]):
@@ -84,7 +84,8 @@ def _on_buffers(ctx, buffers, outs, body) -> None:
 
 def _fused_callback_call(fused: FusedCall, arrays: tuple) -> tuple:
     """The outputs of a fused call through one buffer_callback: q_out (k_out), then the new caches
-    (outputs aliased to the input caches). fp8 arrays cross as their bits (uint8)."""
+    and the new written scale arrays (outputs aliased to the input arrays; the outputs' per-row
+    scales are new outputs). fp8 arrays cross as their bits (uint8)."""
     from jax.experimental.buffer_callback import buffer_callback
 
     named = dict(zip(fused.names, arrays))
@@ -93,19 +94,22 @@ def _fused_callback_call(fused: FusedCall, arrays: tuple) -> tuple:
     stored = jnp.uint8 if out_dtype is not None else rotated[0].dtype
     results = [jax.ShapeDtypeStruct(x.shape, stored) for x in rotated]
     inputs, aliases = [_bits(x) for x in arrays], {}
-    for name in CACHES:
+    written = [name for name in CACHES if name in named] + list(fused.written_scales)
+    for name in written:
         if name in named:
             index = fused.names.index(name)
             aliases[index] = len(results)
             results.append(jax.ShapeDtypeStruct(inputs[index].shape, inputs[index].dtype))
+        else:  # the per-row scales of q_out / k_out
+            results.append(jax.ShapeDtypeStruct(named[SCALED[name]].shape[:-1], jnp.float32))
     run = buffer_callback(_fused_callback(fused), tuple(results), vmap_method="sequential",
                           input_output_aliases=aliases or None)
     outs = list(run(*inputs))
     if out_dtype is not None:
         outs[:len(rotated)] = [jax.lax.bitcast_convert_type(o, out_dtype)
                                for o in outs[:len(rotated)]]
-    for position, name in enumerate((name for name in CACHES if name in named), len(rotated)):
-        if outs[position].dtype != named[name].dtype:  # an fp8 cache, back from its bits
+    for position, name in enumerate(written, len(rotated)):
+        if name in named and outs[position].dtype != named[name].dtype:  # fp8, from its bits
             outs[position] = jax.lax.bitcast_convert_type(outs[position], named[name].dtype)
     return tuple(outs)
 
@@ -123,17 +127,18 @@ def _fused_callback(fused: FusedCall):
     options = dict(fused.options)
     rotated = 2 if "k" in fused.names else 1
 
+    written = [name for name in CACHES if name in fused.names] + list(fused.written_scales)
+
     def rotate(inputs, outputs):
         named = dict(zip(fused.names, inputs))
-        if "k_cache" in named:
-            # Written where XLA wants the new caches: outputs aliased to the input caches, which
-            # hold the input caches' rows when the callback starts. Where XLA did not alias them
-            # (jax.vmap over batched caches on a GPU hands each element a fresh output slice),
-            # the input rows are copied first, so that rows no slot names keep their values.
-            for name, out in zip(("k_cache", "v_cache"), outputs[rotated:]):
-                if describe(out, name).ptr != describe(named[name], name).ptr:
-                    out[...] = named[name]
-            named["k_cache"], named["v_cache"] = outputs[rotated:]
+        # Written where XLA wants the new arrays: outputs aliased to the input caches (and
+        # their scales), which hold the inputs' rows when the callback starts. Where XLA did not
+        # alias them (jax.vmap over batched caches on a GPU hands each element a fresh output
+        # slice), the input rows are copied first, so that rows no slot names keep their values.
+        for name, out in zip(written, outputs[rotated:]):
+            if name in named and describe(out, name).ptr != describe(named[name], name).ptr:
+                out[...] = named[name]
+            named[name] = out
         plan = plan_fused_call(fused.op_name, fused.rotation, options, named,
                                validate=fused.rotation.validate)
         execute.rotate(plan, [_output_info(out, options["out_dtype"])

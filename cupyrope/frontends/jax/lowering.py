@@ -12,10 +12,12 @@ import numpy as np
 
 from ...core.abi import AngleSource
 from ...core.dtypes import compute_dtype, numpy_dtype
-from ...core.fused_plan import FP8_MAX
+from ...core.fused_plan import E2M1_MAX, FP8_MAX, NVFP4, NVFP4_BLOCK
 from ...core.mrope import MROPE_NONE, mrope_components
 from ...core.plan import RopePlan
 
+# The scale arrays a fused call may write, in the order its results give them.
+_WRITTEN = ("q_scale", "k_scale", "v_scale", "k_cache_scales", "v_cache_scales")
 # floor(2^192 / (2 pi)): 1 / (2 pi) as a 192-bit binary fraction.
 _INV_TWO_PI_192 = 0x28BE60DB9391054A7F09D5F47D4D377036D8A5664F10E410
 _FRACTION_LIMBS = 5  # inv_freq / 2pi modulo 1 in 16-bit limbs: 80 bits
@@ -46,15 +48,17 @@ def rotate(plan: RopePlan, q, k, positions, cache, cos, sin):
 
 
 def fused(plan: RopePlan, q, k, positions, cache, cos, sin, *, q_weight=None, k_weight=None,
-          scales=None, v=None, k_cache=None, v_cache=None, slot_mapping=None):
+          scales=None, v=None, k_cache=None, v_cache=None, slot_mapping=None,
+          k_cache_scales=None, v_cache_scales=None):
     """The outputs of a fused call, as ``numpy_path.fused_on_host`` computes them: q_out (k_out)
     in the plan's out_dtype (fp8) or the input dtype, then the new caches when the call writes
-    them. ``scales``: name -> float or a 0-d / one-element float32 array (``q_scale``,
-    ``k_scale``, ``v_scale``)."""
+    them, then the new scale arrays it writes (per-row q_scale, k_scale, v_scale, NVFP4 block
+    scales, in that order). ``scales``: name -> float, a 0-d / one-element float32 array
+    (``q_scale``, ``k_scale``, ``v_scale``), or a cache's per-row scale array."""
     f = plan.fusion
     cos_t, sin_t = cos_sin_per_token(plan, positions, cache, cos, sin)
     out_dtype = numpy_dtype(f.out_dtype or plan.q.dtype)
-    outputs, rotated = [], []
+    outputs, rotated, row_scales = [], [], {}
     for name, x, weight in (("q", q, q_weight), ("k", k, k_weight)):
         if x is None:
             continue
@@ -65,12 +69,21 @@ def fused(plan: RopePlan, q, k, positions, cache, cos, sin, *, q_weight=None, k_
             x = x * (rms * (jnp.float32(f.weight_offset) + weight.astype(jnp.float32)))
         y = _rotated(plan, x, cos_t, sin_t)
         rotated.append(y)
-        outputs.append(_stored(y, out_dtype, scales.get(f"{name}_scale")))
+        scale = getattr(f, f"{name}_scale")
+        if f.out_dtype is not None and scale.rows is not None:  # fp8, a scale a row
+            stored, row_scales[f"{name}_scale"] = _stored_per_row(y, out_dtype)
+            outputs.append(stored)
+        else:
+            outputs.append(_stored(y, out_dtype, scales.get(f"{name}_scale")))
     if f.writes_cache:
-        cache_format = numpy_dtype(f.cache_dtype or plan.q.dtype)
-        outputs += _cache_write(f, rotated[1], v.astype(jnp.float32), k_cache, v_cache,
-                                slot_mapping, cache_format, scales)
-    return tuple(outputs)
+        cache_format = f.cache_dtype if f.cache_dtype == NVFP4 else numpy_dtype(
+            f.cache_dtype or plan.q.dtype)
+        caches, cache_scales = _cache_write(
+            f, rotated[1], v.astype(jnp.float32), k_cache, v_cache, slot_mapping, cache_format,
+            scales, (k_cache_scales, v_cache_scales))
+        outputs += caches
+        row_scales.update(cache_scales)
+    return tuple(outputs) + tuple(row_scales[name] for name in _WRITTEN if name in row_scales)
 
 
 def cos_sin_per_token(plan: RopePlan, positions, cache, cos, sin):
@@ -249,19 +262,79 @@ def _stored(values, dtype: np.dtype, scale):
     return jnp.clip(values * (jnp.float32(1) / scale), -limit, limit).astype(dtype)
 
 
-def _cache_write(f, k_rotated, v, k_cache, v_cache, slot_mapping, cache_format, scales):
-    """(k_cache_new, v_cache_new): rotated k and v stored in the rows of their slots; negative
+def _quotient(values, divisor):
+    """``values / divisor`` (a float32 scalar) rounded once, as the kernels and NumPy divide: XLA
+    turns a division by a broadcast scalar into a product by its reciprocal (two roundings),
+    which a divisor behind an optimisation barrier keeps it from doing."""
+    return values / jax.lax.optimization_barrier(jnp.full(values.shape, divisor, values.dtype))
+
+
+def _stored_per_row(values, dtype: np.dtype):
+    """(stored, scales): float32 rows (last axis) as fp8 ``dtype``, each with its own scale, as
+    ``numpy_path.store_per_row``: ``amax / the format's largest value``, at least 2^-126."""
+    limit = jnp.float32(FP8_MAX[dtype.name])
+    row_scales = _quotient(jnp.max(jnp.abs(values), axis=-1), limit)
+    tiny = jnp.float32(np.finfo(np.float32).tiny)
+    row_scales = jnp.where(row_scales < tiny, tiny, row_scales)
+    inverse = jnp.float32(1) / row_scales
+    return jnp.clip(values * inverse[..., None], -limit, limit).astype(dtype), row_scales
+
+
+def _e2m1_codes(values):
+    """uint8 e2m1 codes of float32 values in [-6, 6], as ``numpy_path.e2m1_codes``."""
+    a = jnp.abs(values)
+    steps = [a > 0.25, a >= 0.75, a > 1.25, a >= 1.75, a > 2.5, a >= 3.5, a > 5.0]
+    codes = sum(step.astype(jnp.uint8) for step in steps)
+    return codes | (jnp.signbit(values).astype(jnp.uint8) << 3)
+
+
+def _nvfp4_quantized(values, global_scale):
+    """(packed, block_scale_bits): float32 rows in NVFP4, as ``numpy_path.nvfp4_quantize``."""
+    g = jnp.asarray(global_scale, jnp.float32).reshape(())
+    blocks = values.reshape(values.shape[:-1] + (values.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK))
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    block_scale = _quotient(amax, jnp.float32(E2M1_MAX)) * (jnp.float32(1) / g)
+    scales = jnp.minimum(block_scale, jnp.float32(FP8_MAX["float8_e4m3fn"])).astype(
+        jnp.float8_e4m3fn)
+    scale_values = scales.astype(jnp.float32)
+    safe = jnp.where(scale_values == 0, jnp.float32(1), scale_values * g)
+    to_grid = jnp.where(scale_values == 0, jnp.float32(0), jnp.float32(1) / safe)
+    limit = jnp.float32(E2M1_MAX)
+    scaled = jnp.fmin(jnp.fmax(blocks * to_grid[..., None], -limit), limit)
+    codes = _e2m1_codes(scaled).reshape(values.shape)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, jax.lax.bitcast_convert_type(scales, jnp.uint8)
+
+
+def _cache_write(f, k_rotated, v, k_cache, v_cache, slot_mapping, cache_format, scales,
+                 block_scales):
+    """([k_cache_new, v_cache_new], {name: new scale array}): rotated k and v stored in the rows
+    of their slots, with their per-row scales or NVFP4 block scales in the same rows; negative
     slots (padding) and slots past the cache are skipped. Caches of uint8 hold fp8 bits."""
     slots = slot_mapping.astype(jnp.int32)
     valid = (slots >= 0) & (slots < f.num_slots)
     blocks = jnp.where(valid, slots // f.block_size, f.num_blocks)  # out of range: dropped
     within = jnp.where(valid, slots % f.block_size, 0)
-    written = []
-    for cache, values, scale in ((k_cache, k_rotated, scales.get("k_scale")),
-                                 (v_cache, v, scales.get("v_scale"))):
-        stored = _stored(values, cache_format, scale)
-        if cache.dtype == jnp.uint8:
+
+    def at_slots(array):
+        return array.at[blocks, within] if f.layout == "NHD" else array.at[blocks, :, within]
+
+    written, written_scales = [], {}
+    for name, cache, values, block_scale_array in (
+            ("k", k_cache, k_rotated, block_scales[0]), ("v", v_cache, v, block_scales[1])):
+        scale, given = getattr(f, f"{name}_scale"), scales.get(f"{name}_scale")
+        if f.cache_dtype == NVFP4:  # given: the global scale
+            stored, bits = _nvfp4_quantized(values, 1.0 if given is None else given)
+            if block_scale_array.dtype != jnp.uint8:
+                bits = jax.lax.bitcast_convert_type(bits, block_scale_array.dtype)
+            written_scales[f"{name}_cache_scales"] = at_slots(block_scale_array).set(
+                bits, mode="drop")
+        elif f.v_scale.rows is not None:  # fp8, a scale per (slot, head) row
+            stored, row_scales = _stored_per_row(values, cache_format)
+            written_scales[f"{name}_scale"] = at_slots(given).set(row_scales, mode="drop")
+        else:
+            stored = _stored(values, cache_format, given)
+        if cache.dtype == jnp.uint8 and stored.dtype != jnp.uint8:
             stored = jax.lax.bitcast_convert_type(stored, jnp.uint8)
-        rows = cache.at[blocks, within] if f.layout == "NHD" else cache.at[blocks, :, within]
-        written.append(rows.set(stored, mode="drop"))
-    return written
+        written.append(at_slots(cache).set(stored, mode="drop"))
+    return written, written_scales

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...cuda import compiler, launch
-from ...core.abi import AngleSource
+from ...core.abi import FUSION_PARAMS_DTYPE, AngleSource
 from ...core.arrays import ArrayInfo, cupy_module, describe_traced
 
 NATIVE_ENV = "CUPYROPE_JAX_NATIVE"
@@ -32,7 +32,17 @@ POINTER_DIVISIBILITY = 16
 _ROPE_WORDS = {"q": 0, "k": 1, "q_out": 2, "k_out": 3, "positions": 4, "cos_sin_cache": 5,
                "cos": 5, "sin": 6, "inv_freq": 7}
 _FUSION_WORDS = {"q_weight": 0, "k_weight": 1, "q_scale": 2, "k_scale": 3, "v_scale": 4, "v": 5,
-                 "k_cache": 6, "v_cache": 7, "slot_mapping": 8}
+                 "k_cache": 6, "v_cache": 7, "slot_mapping": 8,
+                 # Stores quantised per row: the outputs' per-row scales, the caches' per-row or
+                 # NVFP4 block scales (further into FusionParams).
+                 **{name: FUSION_PARAMS_DTYPE.fields[name][1] // 8
+                    for name in ("q_out_scales", "k_out_scales", "k_cache_scales",
+                                 "v_cache_scales")}}
+# The buffer of a written scale array: an operand (a cache's scales, written through the input
+# buffer its result is aliased to) or a result of its own (the outputs' per-row scales).
+_SCALE_OPERAND_BUFFERS = {"k_scale": "k_cache_scales", "v_scale": "v_cache_scales",
+                          "k_cache_scales": "k_cache_scales", "v_cache_scales": "v_cache_scales"}
+_SCALE_RESULT_BUFFERS = {"q_scale": "q_out_scales", "k_scale": "k_out_scales"}
 _FAKE_POINTER_STEP = 1 << 40  # planning addresses: 256-aligned, far apart (no overlap)
 
 
@@ -70,7 +80,7 @@ def planning_infos(avals, names: tuple[str, ...], device: int) -> dict[str, Arra
     infos = {}
     for index, (name, aval) in enumerate(zip(names, avals)):
         info = describe_traced(aval, name)
-        info.device, info.ptr = device, _fake_pointer(index)
+        info.device, info.ptr = device, fake_pointer(index)
         infos[name] = info
     return infos
 
@@ -79,12 +89,12 @@ def lower_planned(ctx, operands, names: tuple[str, ...], plan):
     """One XLA kernel call of a checked plan (``plan_rope`` or ``plan_fused`` on
     :func:`planning_infos`): ``operands`` are the IR values of ``names``; returns the results'
     IR values (q_out, k_out, then a cache write's new caches: the input caches' buffers, which
-    the call declares aliased and writes in place)."""
+    the call declares aliased and writes in place, then the written scale arrays: a cache's
+    aliased alike, the outputs' per-row scales results of their own)."""
     from jax._src.interpreters import mlir
-    from jax._src.lib.mlir import ir
 
     if plan.is_empty:  # nothing to rotate: the inputs' caches, empty outputs, no launch
-        return _empty_results(ctx, operands, names, mlir)
+        return _empty_results(ctx, operands, names, plan, mlir)
     device = plan.device
     if plan.fusion is not None:
         launch.check_fp8_support(plan)
@@ -100,22 +110,32 @@ def lower_planned(ctx, operands, names: tuple[str, ...], plan):
         nodes.append(mlir.ir_constant(native.inv_freq.view(np.uint32)))
     kernel = _kernel_call_kernel(spec, block, native.shared_bytes, device, buffers)
     rotated = 1 if plan.k is None else 2
-    caches = [name for name in ("k_cache", "v_cache") if name in names]
+    written = _written(plan, names)
 
-    gpu_triton = _gpu_triton()
-    parameters = [gpu_triton.create_array_parameter(0, POINTER_DIVISIBILITY) for _ in buffers]
-    parameters.append(gpu_triton.create_scalar_parameter(
+    triton = gpu_triton()
+    parameters = [triton.create_array_parameter(0, POINTER_DIVISIBILITY) for _ in buffers]
+    parameters.append(triton.create_scalar_parameter(
         -1 if spec.sin_offset is None else int(spec.sin_offset), "i64"))
     for struct in (spec.params, spec.fusion_params):
         if struct is not None:
-            parameters += [gpu_triton.create_scalar_parameter(int(w), "u64")
+            parameters += [triton.create_scalar_parameter(int(w), "u64")
                            for w in np.frombuffer(struct.tobytes(), dtype=np.uint64)]
-    call = gpu_triton.TritonKernelCall(kernel, *native.grid, 1, parameters)
-    name = kernel_name(spec, block, buffers)
+    call = triton.TritonKernelCall(kernel, *native.grid, 1, parameters)
+    aliases = {names.index(name): rotated + i for i, name in enumerate(written)
+               if name in names}
+    return kernel_call(ctx, nodes, kernel_name(spec, block, buffers), call, aliases)
+
+
+def kernel_call(ctx, nodes, name: str, call, aliases: dict):
+    """XLA's custom call of jaxlib's kernel call ``call`` (a ``TritonKernelCall`` of the entry
+    ``name``) on the IR values ``nodes`` (the operands, then a 1-d constant where the call takes
+    one), with row-major layouts; ``aliases`` maps an operand's index to the result written
+    through its buffer. Returns the results' IR values."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
     row_major = [list(reversed(range(len(aval.shape)))) for aval in ctx.avals_in]
-    if native.inv_freq is not None:
-        row_major.append([0])
-    aliases = {names.index(cache): rotated + i for i, cache in enumerate(caches)}
+    row_major += [[0]] * (len(nodes) - len(row_major))
     return mlir.custom_call(
         CALL_TARGET,
         result_types=[mlir.aval_to_ir_type(ctx.module_context, aval) for aval in ctx.avals_out],
@@ -150,7 +170,7 @@ def plan_native_launch(plan, avals_out, names: tuple[str, ...], *, num_regs, mul
     outputs = []
     for i, aval in enumerate(avals_out[:rotated]):
         info = describe_traced(aval, "output")
-        info.device, info.ptr, info.writable = plan.device, _fake_pointer(len(names) + 1 + i), True
+        info.device, info.ptr, info.writable = plan.device, fake_pointer(len(names) + 1 + i), True
         if plan.fusion is not None and plan.fusion.out_dtype is not None:
             info.dtype = plan.fusion.out_dtype
         outputs.append(info)
@@ -158,33 +178,48 @@ def plan_native_launch(plan, avals_out, names: tuple[str, ...], *, num_regs, mul
     if plan.source == AngleSource.COMPUTED:
         inv_freq = np.ascontiguousarray(plan.inv_freq, dtype=np.float64)
     spec = launch.plan_launch(
-        plan, outputs, inv_freq_ptr=0 if inv_freq is None else _fake_pointer(len(names)),
+        plan, outputs, inv_freq_ptr=0 if inv_freq is None else fake_pointer(len(names)),
         num_regs=num_regs, multiprocessors=multiprocessors, angle_arithmetic=angle_arithmetic)
     block, grid, shared_bytes = _flat_block(plan, spec)
-    # XLA's buffers: the operands (a cos/sin cache is read as `cos`, sin found by offset), the
-    # frequencies, then the results (a cache write's new caches are aliased to the input caches
-    # and written through those).
-    buffers = list(names) + (["inv_freq"] if inv_freq is not None else [])
+    # XLA's buffers: the operands (a cos/sin cache is read as `cos`, sin found by offset; a
+    # cache's scales written as they are), the frequencies, then the results (new caches and
+    # their scales are aliased to the input arrays and written through those; the outputs'
+    # per-row scales are results of their own).
+    written = _written(plan, names)
+    buffers = [_SCALE_OPERAND_BUFFERS[name] if name in written and name in _SCALE_OPERAND_BUFFERS
+               else name for name in names]
+    buffers += ["inv_freq"] if inv_freq is not None else []
     buffers += ["q_out", "k_out"][:rotated]
-    buffers += [None for name in ("k_cache", "v_cache") if name in names]
+    buffers += [None if name in names else _SCALE_RESULT_BUFFERS[name] for name in written]
     return NativeLaunch(spec, block, grid, shared_bytes, tuple(buffers), inv_freq)
 
 
-def _empty_results(ctx, operands, names, mlir):
+def _written(plan, names: tuple[str, ...]) -> list[str]:
+    """The results after q_out (k_out), by name: the new caches, then the written scale arrays
+    (an operand's name where the result is aliased to it)."""
+    if plan.fusion is None:
+        return []
+    return ([name for name in ("k_cache", "v_cache") if name in names]
+            + [name for name, _ in plan.fusion.written_scales()])
+
+
+def _empty_results(ctx, operands, names, plan, mlir):
+    """No token: empty outputs and per-row scales, the input caches and their scales."""
     results = [mlir.full_like_aval(ctx, 0, aval) for aval in ctx.avals_out]
-    caches = [operands[names.index(name)] for name in ("k_cache", "v_cache") if name in names]
-    if caches:
-        results[-len(caches):] = caches
+    rotated = 1 if plan.k is None else 2
+    for i, name in enumerate(_written(plan, names), rotated):
+        if name in names:
+            results[i] = operands[names.index(name)]
     return results
 
 
-def _gpu_triton():
+def gpu_triton():
     from jax._src.lib import gpu_triton
 
     return gpu_triton
 
 
-def _fake_pointer(index: int) -> int:
+def fake_pointer(index: int) -> int:
     return (index + 1) * _FAKE_POINTER_STEP
 
 
@@ -210,8 +245,11 @@ def _flat_block(plan, spec) -> tuple[tuple[int, int, int], tuple[int, int], int]
                 y = -(-(-(-num_heads // grid[1])) // step) * step
         choice = (x, y, 1) if x * y <= limit else None
     else:
+        # Row-scaled launches keep a row buffer per head lane group: at most `rows` of them.
+        rows = _row_buffers(plan) if spec.kernel.fused and spec.kernel.rows else limit
         shapes = [(abs(c - z), abs(b - y), -b * c, b, c) for c in range(1, z + 1)
-                  for b in range(1, limit // (x * c) + 1) if (x * b * c) % 32 == 0]
+                  for b in range(1, limit // (x * c) + 1)
+                  if (x * b * c) % 32 == 0 and b * c <= rows]
         choice = (x, min(shapes)[3], min(shapes)[4]) if shapes else None
     if choice is None:
         raise NotImplementedError(
@@ -227,6 +265,13 @@ def _flat_block(plan, spec) -> tuple[tuple[int, int, int], tuple[int, int], int]
     else:
         shared_bytes = launch.shared_angle_bytes(plan, kernel, choice)
     return choice, grid, shared_bytes
+
+
+def _row_buffers(plan) -> int:
+    """The row buffers (head_dim float32 each) a row-scaled launch's shared memory holds beside
+    its norm weights, as ``launch.fit_row_buffers`` sizes them."""
+    weights = launch.fused_shared_bytes(plan, plan.fusion, False, (0, 0, 0))
+    return (launch.MAX_SHARED_ANGLE_BYTES - weights) // (4 * plan.head_dim)
 
 
 def kernel_name(spec, block, buffers: tuple) -> str:
@@ -248,6 +293,9 @@ def _body(kernel) -> tuple[str, str]:
         return (f"cupyrope::rope_fused_lean{template}",
                 f"{threads}, cupyrope::FusedLeanMinBlocksPerSM<{t}, {interleaved}, {norm}, "
                 f"{cache}, {source}>::flat_entry")
+    if kernel.fused and kernel.rows:  # rope_fused_rows_kernel's body and bounds
+        return (f"cupyrope::rope_fused_tokens{template[:-1]}, true>",
+                f"{threads}, {'1' if wide == 'true' else '2'}")
     if kernel.fused:
         return (f"cupyrope::rope_fused_tokens{template}",
                 f"{threads}, cupyrope::FusedMinBlocksPerSM<{args[2]}, {interleaved}, {wide}>::value")
@@ -307,7 +355,7 @@ def _kernel_call_kernel(spec, block, shared_bytes: int, device: int, buffers: tu
     ptx = entry_ptx(spec, block, buffers, capability,
                     compiler.kernel_arithmetic(spec.kernel, device))
     threads = block[0] * block[1] * block[2]
-    return _gpu_triton().TritonKernel(kernel_name(spec, block, buffers), threads // 32, 1,
+    return gpu_triton().TritonKernel(kernel_name(spec, block, buffers), threads // 32, 1,
                                       shared_bytes, ptx, "", int(capability))
 
 
@@ -321,7 +369,7 @@ def entry_ptx(spec, block, buffers: tuple, capability: str, arithmetic: str | No
         ptx = _ptx_cache.get(key)
         if ptx is None:
             source, options = entry_program(spec, block, buffers, arithmetic)
-            ptx = _nvrtc_ptx(source, options + (f"--gpu-architecture=compute_{capability}",))
+            ptx = nvrtc_ptx(source, options + (f"--gpu-architecture=compute_{capability}",))
             _ptx_cache[key] = ptx
     return ptx
 
@@ -335,7 +383,7 @@ def entry_program(spec, block, buffers: tuple, arithmetic: str | None) -> tuple[
     return _entry_source(spec, kernel_name(spec, block, buffers), buffers), options
 
 
-def _nvrtc_ptx(source: str, options: tuple[str, ...]) -> str:
+def nvrtc_ptx(source: str, options: tuple[str, ...]) -> str:
     from cupy_backends.cuda.libs import nvrtc
 
     program = nvrtc.createProgram(source, "cupyrope_xla.cu", [], [])

@@ -13,11 +13,12 @@ import numpy as np
 
 from . import primitives, sharding
 from ...core.arrays import describe_traced
-from ...core.fused_plan import NVFP4, is_per_row
+from ...core.fused_plan import is_per_row
 from ...core.scaling import Scaling
 from ...core.validators import check_real
-from .planning import (CACHES, FUSED_ARRAYS, ROPE_ARRAYS, SCALES, TABLES, FusedCall,
-                       RotationOptions, plan_fused_call, plan_rotation, planning_info)
+from .planning import (BLOCK_SCALES, CACHES, FUSED_ARRAYS, ROPE_ARRAYS, SCALED, SCALES, TABLES,
+                       WRITTEN_SCALES, FusedCall, RotationOptions, plan_fused_call,
+                       plan_rotation, planning_info, wants_new_row_scales)
 
 
 def is_traced(*arrays) -> bool:
@@ -27,9 +28,13 @@ def is_traced(*arrays) -> bool:
 
 
 def updates_jax_cache(q, fusion: dict) -> bool:
-    """True for a KV-cache write on JAX arrays, concrete ones included: its new caches come from
-    XLA ("The KV cache on JAX" in docs/jax_internals.md), so such a call always runs here."""
-    return fusion.get("k_cache") is not None and isinstance(q, jax.Array)
+    """True for a call on JAX arrays, concrete ones included, that writes arrays besides its
+    outputs: a KV-cache write, per-row fp8 scales. Their new arrays come from XLA ("The KV cache
+    on JAX" in docs/jax_internals.md), so such a call always runs here."""
+    if not isinstance(q, jax.Array):
+        return False
+    return fusion.get("k_cache") is not None or any(
+        fusion.get(name) is not None and is_per_row(fusion[name]) for name in SCALES)
 
 
 def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=None,
@@ -59,10 +64,11 @@ def apply_rope(q, k=None, positions=None, *, cos_sin_cache=None, cos=None, sin=N
 
 def run_fused(op_name, q, k, positions, *, rope: dict, fusion: dict, validate: bool):
     """A fused op (``rms_norm_rope``, ``rope_and_cache``, ``apply_rope(out_dtype=...)``) with a
-    JAX tracer among its arguments, or a ``rope_and_cache`` on JAX arrays: checked now, run by one
-    primitive. Returns what :func:`cupyrope.execute.run_fused` returns, with new caches in place
-    of the written ones."""
-    _refuse_row_scaled(op_name, fusion)
+    JAX tracer among its arguments, or one on JAX arrays that writes arrays besides its outputs
+    (a cache, per-row scales): checked now, run by one primitive. Returns what
+    :func:`cupyrope.execute.run_fused` returns, with new caches in place of the written ones,
+    then the new arrays of every scale array the call writes (per-row scales, NVFP4 block
+    scales)."""
     inplace = rope["inplace"]
     if op_name == "rope_and_cache" and isinstance(inplace, (bool, np.bool_)) and inplace:
         raise TypeError(
@@ -71,10 +77,14 @@ def run_fused(op_name, q, k, positions, *, rope: dict, fusion: dict, validate: b
             "updated in place by XLA where the caller donates them)")
     given = {"q": q, "k": k, "positions": positions, **{name: rope[name] for name in TABLES},
              **{name: fusion.get(name) for name in FUSED_ARRAYS + SCALES}}
+    # "per_head": new scale arrays, which the call returns (planned from q's / k's shape).
+    made = tuple(name for name, x in SCALED.items()
+                 if wants_new_row_scales(op_name, fusion.get(name), given[x]))
     arrays = {name: _fused_array(x, name, op_name) for name, x in given.items()
-              if x is not None and not (name in SCALES and _is_number(x))}
+              if x is not None and name not in made
+              and not (name in SCALES and (_is_number(x) or isinstance(x, str)))}
     options = {name: value for name, value in fusion.items()
-               if name not in FUSED_ARRAYS and name not in arrays}
+               if name not in FUSED_ARRAYS and name not in arrays and name not in made}
     for name, value in options.items():
         _refuse_tracer(value, name, op_name)
     traced = is_traced(*arrays.values())
@@ -87,33 +97,27 @@ def run_fused(op_name, q, k, positions, *, rope: dict, fusion: dict, validate: b
     infos = {name: planning_info(x, name, read=validate and not traced)
              for name, x in arrays.items()}
     f = plan_fused_call(op_name, rotation, options, infos, inplace=inplace,
-                        validate=validate and not traced).fusion
+                        validate=validate and not traced, new_row_scales=made).fusion
     # Canonical, hashable options for the callback (eps is ignored without the norm).
     options.update(out_dtype=f.out_dtype, eps=f.eps if f.norm else None,
                    weight_offset=f.weight_offset)
     if f.writes_cache:
         options.update(cache_dtype=f.cache_dtype)
-    fused = FusedCall(op_name, rotation, tuple(sorted(options.items())), tuple(arrays))
+    written = tuple(name for name, _ in f.written_scales())
+    if f.out_dtype is not None:
+        # Per-row q_scale / k_scale then scale the outputs' rows, every one written: the arrays
+        # given are only checked (no operands), the call returns new ones.
+        for name in set(SCALED) & set(written):
+            arrays.pop(name, None)
+    fused = FusedCall(op_name, rotation, tuple(sorted(options.items())), tuple(arrays),
+                      written_scales=tuple(name for name in WRITTEN_SCALES if name in written))
     outs = _fused(fused, tuple(arrays.values()))
-    if f.writes_cache:
-        return outs
-    return outs[0] if k is None else (outs[0], outs[1])
-
-
-def _refuse_row_scaled(op_name: str, fusion: dict) -> None:
-    """Stores quantised per row (per-(token, head) fp8 scales, NVFP4 caches) run on CuPy, torch
-    and NumPy arrays; their JAX primitive would need the scale arrays as results."""
-    per_row = [name for name in SCALES if fusion.get(name) is not None
-               and is_per_row(fusion[name])]
-    cache_dtype = fusion.get("cache_dtype")
-    nvfp4 = isinstance(cache_dtype, str) and cache_dtype == NVFP4
-    if per_row or nvfp4 or fusion.get("k_cache_scales") is not None \
-            or fusion.get("v_cache_scales") is not None:
-        what = (f"per-row fp8 scales ({', '.join(per_row)})" if per_row
-                else "NVFP4 caches (cache_dtype='nvfp4', k_cache_scales, v_cache_scales)")
-        raise NotImplementedError(
-            f"{op_name}: {what} are not available for JAX arrays yet; CuPy, torch and NumPy "
-            "arrays take them (or scale per tensor, with an fp8 cache)")
+    if not fused.writes_cache and not fused.written_scales:
+        return outs[0] if k is None else (outs[0], outs[1])
+    # q_out (k_out) (, k_cache_new, v_cache_new), then the new arrays of the scale arrays the
+    # call writes, in WRITTEN_SCALES order: "per_head"'s as eager calls return them, the others'
+    # because JAX arrays are immutable.
+    return outs
 
 
 def _as_jax(x, name: str, op_name: str = "apply_rope"):
@@ -128,9 +132,11 @@ def _as_jax(x, name: str, op_name: str = "apply_rope"):
 
 
 def _fused_array(x, name: str, op_name: str):
-    """An array argument of a fused call as a JAX array; a NumPy cache stays as it is, to be
-    refused by the checks (it would not be written: the call returns new caches)."""
-    if name in CACHES and isinstance(x, np.ndarray):
+    """An array argument of a fused call as a JAX array; a NumPy array the call writes (a cache,
+    block or per-row scales) stays as it is, to be refused by the checks (it would not be
+    written: the call returns new arrays)."""
+    if isinstance(x, np.ndarray) and (name in CACHES or name in BLOCK_SCALES
+                                      or (name in SCALES and is_per_row(x))):
         return x
     return _as_jax(x, name, op_name)
 
@@ -383,8 +389,9 @@ def _batched_fused(fused: FusedCall):
 
 def _fused_primitive_call(fused: FusedCall, arrays: tuple) -> tuple:
     """The outputs of a fused call through one ``cupyrope_fused``; partitionable unless it
-    validates or writes a cache (XLA runs those on replicated operands)."""
-    partitioned = not fused.rotation.validate and not fused.writes_cache
+    validates or writes a cache or scale arrays (XLA runs those on replicated operands)."""
+    partitioned = (not fused.rotation.validate and not fused.writes_cache
+                   and not fused.written_scales)
     bind = sharding.bind_partitioned if partitioned else primitives.bind
     return bind("fused", dict(fused=fused), list(arrays))
 

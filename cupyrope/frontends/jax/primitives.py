@@ -17,9 +17,9 @@ from . import callback, lowering as jax_lowering, native as jax_native
 from ...core.arrays import describe_traced
 from ...core.dtypes import numpy_dtype
 from ...cuda.compiler import current_device
-from .planning import (CACHES, FUSED_ARRAYS, ROPE_ARRAYS, SCALES, FusedCall, RotationOptions,
-                       plan_fused_call, plan_rotation, planning_info, rope_operand_names,
-                       rope_operands_by_name)
+from .planning import (CACHES, FUSED_ARRAYS, ROPE_ARRAYS, SCALED, SCALES, FusedCall,
+                       RotationOptions, plan_fused_call, plan_rotation, planning_info,
+                       rope_operand_names, rope_operands_by_name)
 
 
 def _primitive(name: str, abstract_eval):
@@ -39,21 +39,30 @@ def _rope_abstract_eval(*avals, rotation: RotationOptions, present: tuple[bool, 
 
 
 def _fused_abstract_eval(*avals, fused: FusedCall):
-    """q_out (k_out) in the fp8 out_dtype or their own, then the new caches (the input caches')."""
+    """q_out (k_out) in the fp8 out_dtype or their own, then the new caches (the input caches'),
+    then the written scale arrays: a cache's (the input arrays'), the outputs' per-row scales
+    (float32, q's / k's shape but head_dim)."""
     named = dict(zip(fused.names, avals))
     out_dtype = dict(fused.options)["out_dtype"]
     outs = [jax.core.ShapedArray(named[name].shape,
                                  named[name].dtype if out_dtype is None else numpy_dtype(out_dtype))
             for name in ("q", "k") if name in named]
-    return outs + [jax.core.ShapedArray(named[name].shape, named[name].dtype)
-                   for name in CACHES if name in named]
+    outs += [jax.core.ShapedArray(named[name].shape, named[name].dtype)
+             for name in CACHES if name in named]
+    for name in fused.written_scales:
+        if name in named:
+            outs.append(jax.core.ShapedArray(named[name].shape, named[name].dtype))
+        else:
+            outs.append(jax.core.ShapedArray(named[SCALED[name]].shape[:-1], np.float32))
+    return outs
 
 
 # cupyrope_rope: operands q, then those of k, positions, cos_sin_cache, cos, sin that ``present``
 # marks; params ``rotation`` (RotationOptions), ``present`` (5 bools). Results q_out (, k_out).
 rope_p = _primitive("cupyrope_rope", _rope_abstract_eval)
 # cupyrope_fused: operands the arrays of ``fused.names`` in that order (fp8 arrays as they are);
-# param ``fused`` (FusedCall). Results q_out (, k_out) (, k_cache_new, v_cache_new).
+# param ``fused`` (FusedCall). Results q_out (, k_out) (, k_cache_new, v_cache_new), then one
+# new array per ``fused.written_scales``.
 fused_p = _primitive("cupyrope_fused", _fused_abstract_eval)
 
 
@@ -82,7 +91,8 @@ def _fused_jnp(*arrays, fused: FusedCall):
     named = dict(zip(fused.names, arrays))
     options = dict(fused.options)
     infos = {name: planning_info(x, name, read=False) for name, x in named.items()}
-    plan = plan_fused_call(fused.op_name, fused.rotation, options, infos, validate=False)
+    plan = plan_fused_call(fused.op_name, fused.rotation, options, infos, validate=False,
+                           new_row_scales=fused.new_row_scales)
     scales = {name: named.get(name, options.get(name)) for name in SCALES}
     return list(jax_lowering.fused(
         plan, *(named.get(name) for name in ROPE_ARRAYS),
@@ -145,12 +155,12 @@ def _native_fused_plan(ctx, fused: FusedCall):
     caches are written, one-element scales are read by the kernel)."""
     infos = jax_native.planning_infos(ctx.avals_in, fused.names, current_device())
     for name, info in infos.items():
-        if name in CACHES:
+        if name in CACHES or name in fused.written_scales:
             info.writable = True
         elif name in SCALES and info.size == 1:
             info.view = np.ones(info.shape, np.float32)
     return plan_fused_call(fused.op_name, fused.rotation, dict(fused.options), infos,
-                           validate=False)
+                           validate=False, new_row_scales=fused.new_row_scales)
 
 
 @functools.lru_cache(maxsize=None)

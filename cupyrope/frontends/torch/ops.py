@@ -47,6 +47,8 @@ ROWS_SCHEMA = "Tensor(e!)? q_scale_rows, Tensor(f!)? k_scale_rows"
 CACHE_ROWS_SCHEMA = (f"{ROWS_SCHEMA}, Tensor(g!)? v_scale_rows, Tensor(h!)? k_cache_scales, "
                      "Tensor(i!)? v_cache_scales")
 _ROW_ARRAYS = ("q_scale_rows", "k_scale_rows", "v_scale_rows", "k_cache_scales", "v_cache_scales")
+# The fused ops that write a KV cache (their results end with the caches).
+CACHE_OPS = ("rope_and_cache", "write_cache")
 
 
 def needs_autograd(*arrays) -> bool:
@@ -311,7 +313,7 @@ def run_fused(op_name, q, k, positions, *, rope: dict, fusion: dict, validate: b
                                 *_ROW_ARRAYS)
               if needs_autograd(named.get(name))]
     if graded and not (op_name == "rms_norm_rope" and named["out_dtype"] is None):
-        what = ("the KV-cache write" if op_name == "rope_and_cache" else
+        what = ("the KV-cache write" if op_name in CACHE_OPS else
                 f"fp8 outputs (out_dtype={named['out_dtype']!r})")
         raise NotImplementedError(
             f"{op_name}: no gradient for {what}, but {', '.join(graded)} "
@@ -322,7 +324,7 @@ def run_fused(op_name, q, k, positions, *, rope: dict, fusion: dict, validate: b
         return _norm_in_place_under_autograd(q, k, named, rope)
     outputs = op.call(named)
     q_out, k_out = (q, k) if op.inplace else outputs
-    if op_name == "rope_and_cache":
+    if op_name in CACHE_OPS:
         return q_out, k_out, named["k_cache"], named["v_cache"]
     return q_out if k is None else (q_out, k_out)
 
@@ -578,6 +580,8 @@ def _rope_of(named: dict, inplace: bool) -> dict:
 def _fusion_of(op_name: str, named: dict) -> dict:
     """The ``fusion`` dict of :func:`cupyrope.execute.run_fused` from operator arguments."""
     fusion = {"out_dtype": named["out_dtype"]}
+    if op_name == "write_cache":
+        fusion["rotate"] = False
     scales = _SCALES if "k_cache" in named else _SCALES[:2]
     fusion.update({name: _scale_from_args(named, name) for name in scales})
     if "q_weight" in named:
@@ -612,6 +616,9 @@ FUSED_OPS = (
     FusedOp("rope_and_cache_", "rope_and_cache", True,
             _fused_schema("Tensor(a!) q, Tensor(b!) k", CACHE_SCHEMA, NORM_SCHEMA, FP8_SCHEMA,
                           inplace=True)),
+    # write_cache: q is a zero-head view of k; its (q_out, k_out) are unwritten and dropped.
+    FusedOp("write_cache", "write_cache", False,
+            _fused_schema("Tensor q, Tensor k", CACHE_SCHEMA, FP8_SCHEMA, inplace=False)),
 )
 # (public function, writes q and k in place) -> its operator
 _FUSED_OPS = {(op.op_name, op.inplace): op for op in FUSED_OPS}
@@ -629,6 +636,9 @@ ROW_SCALED_OPS = (
     FusedOp("rope_and_cache_rows_", "rope_and_cache", True,
             _fused_schema("Tensor(a!) q, Tensor(b!) k", CACHE_SCHEMA, NORM_SCHEMA, FP8_SCHEMA,
                           CACHE_ROWS_SCHEMA, inplace=True)),
+    FusedOp("write_cache_rows", "write_cache", False,
+            _fused_schema("Tensor q, Tensor k", CACHE_SCHEMA, FP8_SCHEMA, CACHE_ROWS_SCHEMA,
+                          inplace=False)),
 )
 _ROW_SCALED_OPS = {(op.op_name, op.inplace): op for op in ROW_SCALED_OPS}
 
