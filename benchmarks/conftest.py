@@ -33,7 +33,9 @@ inputs rotate round-robin among enough sets that every call reads DRAM, not L2.
 ``benchmark.extra_info`` holds GB/s (minimum bytes: q and k read and written once, positions and the
 cos/sin rows read), ``pct_of_copy`` (SM copy time / this time, for the SM copy of the same bytes in
 the same group) and ``max_abs_err`` against a float32 reference. ``benchmark.group`` is the shape.
-A summary with those columns is printed at the end; set ``CUPYROPE_BENCH_REPORT=path.md`` to also
+A summary with those columns is printed at the end, with each cupyrope row's speed-up over
+torch.compile (of the Hugging Face formulation or of the unfused sequence) and over Liger where
+its group has them; set ``CUPYROPE_BENCH_REPORT=path.md`` to also
 write it to a file. Peers (torch eager / torch.compile of the Hugging Face formulation, Liger,
 FlashInfer) that are not installed, or that cannot take a shape, are skipped with the reason.
 """
@@ -50,6 +52,9 @@ from cupyrope import bench as bm
 ROUNDS = 10        # timed rounds per case: pytest-benchmark's statistics are over these
 HOST_ROUNDS = 5    # rounds of 300 eager calls
 REPORT_ENV = "CUPYROPE_BENCH_REPORT"
+# Summary columns: a cupyrope row's speed-up over these implementations of its group.
+SPEEDUP_OVER = {"× torch.compile": ("torch-compile-hf", "unfused-compile"),
+                "× Liger": ("liger-inplace",)}
 
 _BENCH_DIR = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
 
@@ -186,6 +191,24 @@ class RopeBench:
         self._report(group, shape, impl, work, None, None, target_ratio=bm.host_target_ratio(impl),
                      copy=lambda: self._copy_host(data), bandwidth=False)
 
+    def workload(self, group: str, shape: bm.RopeShape, impl: str, make, copy, *,
+                 graph: bool = False, rounds: int = ROUNDS) -> None:
+        """An op's workload ``make()`` against the SM copy workload ``copy()`` of its bytes in
+        ``group``: GPU time per eager call, inputs rotating, or per call in a CUDA graph of 20
+        calls (``graph``). ``shape`` gives the summary its T and dtype."""
+        work = _guarded(impl, make)
+        if graph:
+            captured = _guarded(impl, lambda: bm.capture_graph(work.fn, rotate_inputs=work.arg_sets))
+            target, divisor = captured.replay, bm.GRAPH_CALLS
+        else:
+            target, divisor = work.step(), 1
+        plan = _guarded(impl, lambda: bm.plan_batches(target))
+        self.benchmark.group = group
+        bm.GPU_CLOCK.configure(prime_us=plan.prime_us, divisor=divisor)
+        self.benchmark.pedantic(target, rounds=rounds, iterations=plan.calls, warmup_rounds=1)
+        self._report(group, shape, impl, work, None, plan,
+                     copy=lambda: bm.cases.time_us(copy(), graph=graph))
+
     # -- reporting -----------------------------------------------------------------------------
 
     def _median_us(self) -> float | None:
@@ -246,6 +269,18 @@ def rope_bench(benchmark) -> RopeBench:
 def _summary_lines() -> list[str]:
     from tabulate import tabulate
 
+    # Per group, the peers each cupyrope row is a speed-up over (time of theirs / time of ours).
+    peers = {}
+    for r in _RECORDS:
+        for column, impls in SPEEDUP_OVER.items():
+            if r["impl"] in impls:
+                peers[(r["group"], column)] = r["median_us"]
+
+    def speedup(r, column):
+        theirs = peers.get((r["group"], column))
+        return "" if theirs is None or not r["impl"].startswith("cupyrope") else (
+            f"{theirs / r['median_us']:.2f}×")
+
     rows = []
     for r in _RECORDS:
         err = r.get("max_abs_err")
@@ -260,10 +295,13 @@ def _summary_lines() -> list[str]:
         if ratio is not None:
             target_text = f"{ratio}× apply_rope, ≤ 1.3: {'met' if ratio <= 1.3 else 'MISSED'}"
         rows.append([r["group"], r["impl"], f"{r['median_us']:.2f}", "" if gbps is None else f"{gbps:.0f}",
-                     "" if pct is None else f"{pct:.1f}", err_text, target_text])
-    table = tabulate(rows, headers=["group", "impl", "µs", "GB/s", "% of SM copy", "max abs err",
-                                    "target"], tablefmt="pipe", disable_numparse=True,
-                     colalign=("left", "left", "right", "right", "right", "right", "left"))
+                     "" if pct is None else f"{pct:.1f}", *(speedup(r, c) for c in SPEEDUP_OVER),
+                     err_text, target_text])
+    table = tabulate(rows, headers=["group", "impl", "µs", "GB/s", "% of SM copy", *SPEEDUP_OVER,
+                                    "max abs err", "target"], tablefmt="pipe",
+                     disable_numparse=True,
+                     colalign=("left", "left", "right", "right", "right", "right", "right", "right",
+                               "left"))
     return table.splitlines()
 
 

@@ -40,38 +40,15 @@ DECODE_CASES = [pytest.param(op, tokens, impl, id=_id(op, tokens, impl))
                 for impl in ("plain-rope", "cupyrope-fused", "unfused-compile")
                 if impl != "plain-rope" or op == "rms_norm_rope"]
 
-_DATA: dict = {}
-
-
-def _data(tokens: int, num_sets: int | None = None) -> FusedData:
-    """The data of one (T, sets), kept while consecutive cases use it (one shape at a time)."""
-    key = (tokens, num_sets)
-    if key not in _DATA:
-        _DATA.clear()  # free the previous shape first
-        _DATA[key] = FusedData(tokens, num_sets)
-    return _DATA[key]
+_DATA = bm.cases.LatestData(FusedData)  # one (T, sets) at a time
 
 
 @pytest.mark.parametrize("op, tokens, impl", CASES)
 def test_fused_bandwidth(rope_bench, op, tokens, impl):
-    data = _data(tokens)
-    try:
-        work = make_fused_workload(op, impl, data)
-        plan = bm.plan_batches(work.step())
-    except bm.Unavailable as exc:
-        pytest.skip(str(exc))
-    except Exception as exc:
-        if impl in ("copy", "cupyrope-fused"):
-            raise
-        pytest.skip(f"{impl} failed on this shape: {type(exc).__name__}: {exc}")
+    data = _DATA.get(tokens)
     group = f"fused {op}: {data.shape.label()}, v [T, {HK}, {D}], paged cache bf16 block {BLOCK_SIZE}"
-    benchmark = rope_bench.benchmark
-    benchmark.group = group
-    bm.GPU_CLOCK.configure(prime_us=plan.prime_us)
-    benchmark.pedantic(work.step(), rounds=10, iterations=plan.calls, warmup_rounds=1)
-    copy = bm.sm_copy(data.bytes_moved(op) // 2)
-    rope_bench._report(group, data.shape, impl, work, None, plan,
-                       copy=lambda: bm.gpu_time_us(copy.fn, rotate_inputs=copy.arg_sets))
+    rope_bench.workload(group, data.shape, impl, lambda: make_fused_workload(op, impl, data),
+                        lambda: bm.sm_copy(data.bytes_moved(op) // 2))
 
 
 _PLAIN_ROPE_US: dict[int, float] = {}  # apply_rope in place, by T
@@ -79,7 +56,7 @@ _PLAIN_ROPE_US: dict[int, float] = {}  # apply_rope in place, by T
 
 @pytest.mark.parametrize("op, tokens, impl", DECODE_CASES)
 def test_fused_decode_graph(rope_bench, op, tokens, impl):
-    data = _data(tokens, num_sets=bm.GRAPH_CALLS)
+    data = _DATA.get(tokens, bm.GRAPH_CALLS)
     try:
         work = make_fused_workload(op, impl, data)
         captured = bm.capture_graph(work.fn, rotate_inputs=work.arg_sets)

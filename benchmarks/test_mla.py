@@ -20,8 +20,6 @@ DRAM. T = 1, 32, 512: GPU time per call in a CUDA graph of 20 calls (decode).
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from cupyrope import bench as bm
@@ -99,14 +97,6 @@ def unfused(q, k_pe, kv_c, positions, kv_cache, slots, table):
     return q8, k_rot.clamp(-448.0, 448.0).to(torch.float8_e4m3fn), kv_cache
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_unfused():
-    import torch
-
-    bm.compiled_hf_rope()  # raises dynamo's recompile limit for the many shapes benchmarked
-    return torch.compile(unfused, dynamic=False)
-
-
 def workload(impl: str, data: MlaData) -> bm.Workload:
     import cupyrope as cr
 
@@ -119,24 +109,13 @@ def workload(impl: str, data: MlaData) -> bm.Workload:
                                          cos_sin_cache=table, out_dtype="float8_e4m3fn",
                                          q_scale=Q_SCALE, **fp8_cache)
     elif impl == "unfused-compile":
-        reason = bm.peer_status()["torch-compile-hf"]
-        if reason:
-            raise bm.Unavailable(reason)
-        fn = _compiled_unfused()
+        fn = bm.cases.compile_unfused(unfused)
     else:
         raise ValueError(f"unknown implementation {impl!r}; known: {IMPLS}")
     return bm.Workload(impl, fn, data.arg_sets(), data.bytes_moved())
 
 
-_DATA: dict = {}
-
-
-def _data(tokens: int, cache: str, num_sets: int | None = None) -> MlaData:
-    key = (tokens, cache, num_sets)
-    if key not in _DATA:
-        _DATA.clear()  # one shape at a time
-        _DATA[key] = MlaData(tokens, cache, num_sets)
-    return _DATA[key]
+_DATA = bm.cases.LatestData(MlaData)  # one shape at a time
 
 
 def _group(kind: str, tokens: int, cache: str) -> str:
@@ -144,47 +123,20 @@ def _group(kind: str, tokens: int, cache: str) -> str:
             f"{cache} cache [{-(-tokens // BLOCK_SIZE)}, {BLOCK_SIZE}, {RANK + ROPE}]")
 
 
-def _run(impl, make):
-    try:
-        return make()
-    except bm.Unavailable as exc:
-        pytest.skip(str(exc))
-    except Exception as exc:
-        if impl == "unfused-compile":
-            pytest.skip(f"{impl} failed on this shape: {type(exc).__name__}: {exc}")
-        raise
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("tokens", LARGE)
 @pytest.mark.parametrize("cache", CACHES)
 def test_mla_bandwidth(rope_bench, cache, tokens, impl):
-    data = _data(tokens, cache)
-    work = _run(impl, lambda: workload(impl, data))
-    plan = _run(impl, lambda: bm.plan_batches(work.step()))
-    group = _group("eager", tokens, cache)
-    benchmark = rope_bench.benchmark
-    benchmark.group = group
-    bm.GPU_CLOCK.configure(prime_us=plan.prime_us)
-    benchmark.pedantic(work.step(), rounds=10, iterations=plan.calls, warmup_rounds=1)
-    copy = workload("copy", data)
-    rope_bench._report(group, bm.RopeShape(tokens=tokens), impl, work, None, plan,
-                       copy=lambda: bm.gpu_time_us(copy.fn, rotate_inputs=copy.arg_sets))
+    data = _DATA.get(tokens, cache)
+    rope_bench.workload(_group("eager", tokens, cache), bm.RopeShape(tokens=tokens), impl,
+                        lambda: workload(impl, data), lambda: workload("copy", data))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("tokens", SMALL)
 @pytest.mark.parametrize("cache", CACHES)
 def test_mla_graph(rope_bench, cache, tokens, impl):
-    data = _data(tokens, cache, num_sets=bm.GRAPH_CALLS)
-    work = _run(impl, lambda: workload(impl, data))
-    captured = _run(impl, lambda: bm.capture_graph(work.fn, rotate_inputs=work.arg_sets))
-    plan = bm.plan_batches(captured.replay)
-    group = _group(f"CUDA graph of {bm.GRAPH_CALLS} calls", tokens, cache)
-    benchmark = rope_bench.benchmark
-    benchmark.group = group
-    bm.GPU_CLOCK.configure(prime_us=plan.prime_us, divisor=bm.GRAPH_CALLS)
-    benchmark.pedantic(captured.replay, rounds=10, iterations=plan.calls, warmup_rounds=1)
-    copy = workload("copy", data)
-    rope_bench._report(group, bm.RopeShape(tokens=tokens), impl, work, None, plan,
-                       copy=lambda: bm.graph_time_us(copy.fn, rotate_inputs=copy.arg_sets))
+    data = _DATA.get(tokens, cache, bm.GRAPH_CALLS)
+    rope_bench.workload(_group(f"CUDA graph of {bm.GRAPH_CALLS} calls", tokens, cache),
+                        bm.RopeShape(tokens=tokens), impl, lambda: workload(impl, data),
+                        lambda: workload("copy", data), graph=True)

@@ -18,8 +18,6 @@ every call reads DRAM. N = 32 and 512: GPU time per call in a CUDA graph of 20 c
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from cupyrope import bench as bm
@@ -87,14 +85,6 @@ def unfused(k_cache, slots, delta, table):
     return k_cache
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_unfused():
-    import torch
-
-    bm.compiled_hf_rope()  # raises dynamo's recompile limit for the many shapes benchmarked
-    return torch.compile(unfused, dynamic=False)
-
-
 def workload(impl: str, data: RerotateData) -> bm.Workload:
     import cupyrope as cr
 
@@ -108,24 +98,13 @@ def workload(impl: str, data: RerotateData) -> bm.Workload:
         def fn(cache, slots, delta, table):
             return cr.rerotate_cache(cache, slots, delta, theta=500000.0, **fp8)
     elif impl == "unfused-compile":
-        reason = bm.peer_status()["torch-compile-hf"]
-        if reason:
-            raise bm.Unavailable(reason)
-        fn = _compiled_unfused()
+        fn = bm.cases.compile_unfused(unfused)
     else:
         raise ValueError(f"unknown implementation {impl!r}; known: {IMPLS}")
     return bm.Workload(impl, fn, data.arg_sets(), data.bytes_moved())
 
 
-_DATA: dict = {}
-
-
-def _data(slots: int, fmt: str, num_sets: int | None = None) -> RerotateData:
-    key = (slots, fmt, num_sets)
-    if key not in _DATA:
-        _DATA.clear()  # one shape at a time
-        _DATA[key] = RerotateData(slots, fmt, num_sets)
-    return _DATA[key]
+_DATA = bm.cases.LatestData(RerotateData)  # one shape at a time
 
 
 def _group(kind: str, slots: int, fmt: str) -> str:
@@ -133,47 +112,20 @@ def _group(kind: str, slots: int, fmt: str) -> str:
             f"{D}], N={slots} slots")
 
 
-def _run(impl, make):
-    try:
-        return make()
-    except bm.Unavailable as exc:
-        pytest.skip(str(exc))
-    except Exception as exc:
-        if impl == "unfused-compile":
-            pytest.skip(f"{impl} failed on this shape: {type(exc).__name__}: {exc}")
-        raise
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("slots", LARGE)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rerotate_bandwidth(rope_bench, fmt, slots, impl):
-    data = _data(slots, fmt)
-    work = _run(impl, lambda: workload(impl, data))
-    plan = _run(impl, lambda: bm.plan_batches(work.step()))
-    group = _group("eager", slots, fmt)
-    benchmark = rope_bench.benchmark
-    benchmark.group = group
-    bm.GPU_CLOCK.configure(prime_us=plan.prime_us)
-    benchmark.pedantic(work.step(), rounds=10, iterations=plan.calls, warmup_rounds=1)
-    copy = workload("copy", data)
-    rope_bench._report(group, bm.RopeShape(tokens=slots), impl, work, None, plan,
-                       copy=lambda: bm.gpu_time_us(copy.fn, rotate_inputs=copy.arg_sets))
+    data = _DATA.get(slots, fmt)
+    rope_bench.workload(_group("eager", slots, fmt), bm.RopeShape(tokens=slots), impl,
+                        lambda: workload(impl, data), lambda: workload("copy", data))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("slots", SMALL)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rerotate_graph(rope_bench, fmt, slots, impl):
-    data = _data(slots, fmt, num_sets=bm.GRAPH_CALLS)
-    work = _run(impl, lambda: workload(impl, data))
-    captured = _run(impl, lambda: bm.capture_graph(work.fn, rotate_inputs=work.arg_sets))
-    plan = bm.plan_batches(captured.replay)
-    group = _group(f"CUDA graph of {bm.GRAPH_CALLS} calls", slots, fmt)
-    benchmark = rope_bench.benchmark
-    benchmark.group = group
-    bm.GPU_CLOCK.configure(prime_us=plan.prime_us, divisor=bm.GRAPH_CALLS)
-    benchmark.pedantic(captured.replay, rounds=10, iterations=plan.calls, warmup_rounds=1)
-    copy = workload("copy", data)
-    rope_bench._report(group, bm.RopeShape(tokens=slots), impl, work, None, plan,
-                       copy=lambda: bm.graph_time_us(copy.fn, rotate_inputs=copy.arg_sets))
+    data = _DATA.get(slots, fmt, bm.GRAPH_CALLS)
+    rope_bench.workload(_group(f"CUDA graph of {bm.GRAPH_CALLS} calls", slots, fmt),
+                        bm.RopeShape(tokens=slots), impl, lambda: workload(impl, data),
+                        lambda: workload("copy", data), graph=True)

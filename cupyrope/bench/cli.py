@@ -1,6 +1,8 @@
 """The command line of the reference sweep: ``python -m cupyrope bench`` (or
 ``python -m cupyrope.bench``) prints the table and writes it with JSON and a bandwidth plot;
-``--fused`` runs the fused ops against the unfused sequences instead (:mod:`.fused`), ``--jax``
+``--fused`` runs the fused ops against the unfused sequences instead (:mod:`.fused`),
+``--shapes`` apply_rope over head shapes and ``--serving`` the fused ops on served models' heads
+(:mod:`.shapes`), ``--jax``
 apply_rope under ``jax.jit`` against XLA's own fusion (:mod:`.jax_steps`)."""
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from .fused import FUSED_TOKENS, format_fused_table, fused_sweep, plot_fused
 from .jax_steps import (JAX_TOKENS, format_jax_table, jax_device_name, jax_environment, jax_sweep,
                         plot_jax, require_jax_gpu)
 from .options import build_parser
+from .shapes import (SERVING_TOKENS, format_serving_table, format_shapes_table, serving_sweep,
+                     shapes_sweep)
 from .sweep import environment, format_table, plot, reference_sweep
 from .workloads import REFERENCE_TOKENS
 
@@ -51,6 +55,15 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cupyrope.b
         name = device_name()
         return _report(args.out, "fused_sweep", format_fused_table(rows, name), rows,
                        lambda path: plot_fused(rows, path, gpu_name=name), failures)
+    if args.shapes or args.serving:
+        if args.shapes:
+            rows = shapes_sweep(repeats=args.repeats, failures=failures)
+            table, stem = format_shapes_table(rows, device_name()), "shapes_sweep"
+        else:
+            rows = serving_sweep(args.tokens or list(SERVING_TOKENS), repeats=args.repeats,
+                                 failures=failures)
+            table, stem = format_serving_table(rows, device_name()), "serving_sweep"
+        return _report(args.out, stem, table, rows, None, failures)
     rows = reference_sweep(args.tokens or list(REFERENCE_TOKENS), impls=args.impls,
                            repeats=args.repeats, check=not args.no_check, failures=failures)
     name = device_name()
@@ -61,7 +74,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m cupyrope.b
 def _report(out: str, stem: str, table: str, rows, draw, failures: list[str], *,
             extra_env: dict | None = None) -> int:
     """Print the table; write ``stem``.md, .json and the .png that ``draw(path)`` draws (none when
-    matplotlib is missing) into ``out`` (when given); 1 when a cupyrope or copy case failed,
+    ``draw`` is None or matplotlib is missing) into ``out`` (when given); 1 when a cupyrope or copy case failed,
     else 0."""
     print(table)
     if out:
@@ -72,7 +85,8 @@ def _report(out: str, stem: str, table: str, rows, draw, failures: list[str], *,
             json.dump({"environment": {**environment(), **(extra_env or {})},
                        "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
         try:
-            print("plot:", draw(os.path.join(out, f"{stem}.png")))
+            if draw is not None:
+                print("plot:", draw(os.path.join(out, f"{stem}.png")))
         except ImportError as exc:
             print(f"no plot: {exc}", file=sys.stderr)
     if failures:

@@ -24,6 +24,8 @@ Reference shape (bf16 q ``[T, 32, 128]``, k and v ``[T, 8, 128]``, int64 positio
 
 T <= 512 (decode and small batches) is timed per call in a CUDA graph of 20 calls, in place where
 the op allows it; larger T per eager call with inputs rotating so that every call reads DRAM.
+A :class:`HeadLayout` gives the same ops other heads (head_dim, GQA, partial rotary, M-RoPE,
+speculative-decoding batches: :mod:`.shapes`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import traceback
 from typing import Sequence
 
 from .clocks import gpu_time_us, graph_time_us, input_sets_for, require_cuda
-from .peers import Unavailable, compiled_hf_rope, hf_rope, peer_status
+from .peers import Unavailable, compiled_hf_rope, hf_mrope, hf_rope, peer_status
 from .progress import Progress
 from .workloads import RopeShape, Workload, sm_copy
 
@@ -49,45 +51,127 @@ FUSED_IMPLS = ("copy", "cupyrope-fused", "plain-rope", "unfused-eager", "unfused
 FUSED_TOKENS = (1, 32, 512, 4096, 16384, 65536)
 GRAPH_MAX_TOKENS = 512  # at most this many tokens: GPU time per call in a CUDA graph
 DECODE_TARGET_RATIO = 1.3  # a fused op's decode time over apply_rope's in place, at most
+MAX_POSITION = 131072
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """The heads of a fused-op benchmark: q ``[T, Hq, D]``, k and v ``[T, Hk, D]``, the first
+    ``rotary_dim`` dims rotated (None: all), M-RoPE (``mrope_section``: positions ``[3, T]``,
+    sectioned or interleaved), and speculative-decoding batches (``draft_tokens`` > 0: T /
+    draft_tokens sequences of that many consecutive positions and slots, each sequence at a random
+    context length)."""
+
+    num_q_heads: int = HQ
+    num_k_heads: int = HK
+    head_dim: int = D
+    rotary_dim: int | None = None
+    mrope_section: tuple[int, int, int] | None = None
+    mrope_interleaved: bool = False
+    draft_tokens: int = 0
+
+    @property
+    def rot(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def scaling(self) -> dict | None:
+        """The ``scaling`` dict the fused calls take (M-RoPE's keys), or None."""
+        if self.mrope_section is None:
+            return None
+        return {"mrope_section": list(self.mrope_section),
+                "mrope_interleaved": self.mrope_interleaved}
+
+    @property
+    def position_components(self) -> int:
+        return 1 if self.mrope_section is None else 3
+
+    def rope(self):
+        """The unfused formulation of the rotation: ``rope(q, k, positions, cos_sin_cache)``."""
+        if self.mrope_section is None:
+            return hf_rope
+        return hf_mrope(tuple(self.mrope_section), self.mrope_interleaved)
+
+    def label(self) -> str:
+        """What the group names add to the reference shape's label, e.g. `` M-RoPE [16, 24, 24]``."""
+        text = ""
+        if self.mrope_section is not None:
+            kind = "interleaved M-RoPE" if self.mrope_interleaved else "M-RoPE"
+            text += f" {kind} {list(self.mrope_section)}"
+        if self.draft_tokens:
+            text += f", spec decode {self.draft_tokens} draft tokens a sequence"
+        return text
+
+
+REFERENCE_LAYOUT = HeadLayout()
 
 
 class FusedData:
     """Input sets of one T: q, k, v, positions and slot mappings per set; one cache table, one pair
     of norm weights, one pair of paged caches (every set writes other slots of them).
-    ``device="cpu"`` builds the same data on the host (to check the plumbing without a GPU)."""
+    ``device="cpu"`` builds the same data on the host (to check the plumbing without a GPU);
+    ``layout`` the heads (the reference shape's by default)."""
 
-    def __init__(self, tokens: int, num_sets: int | None = None, *, device: str = "cuda"):
+    def __init__(self, tokens: int, num_sets: int | None = None, *, device: str = "cuda",
+                 layout: HeadLayout = REFERENCE_LAYOUT):
         import torch
 
         import cupyrope as cr
 
         self.tokens = tokens
         self.device = device
-        self.shape = RopeShape(tokens=tokens)
-        per_set = 2 * tokens * (HQ + 2 * HK) * D * 2  # q, k, v read and written once, bf16
+        self.layout = lay = layout
+        hq, hk, d = lay.num_q_heads, lay.num_k_heads, lay.head_dim
+        self.shape = RopeShape(tokens=tokens, num_q_heads=hq, num_k_heads=hk, head_dim=d,
+                               rotary_dim=lay.rotary_dim)
+        per_set = 2 * tokens * (hq + 2 * hk) * d * 2  # q, k, v read and written once, bf16
         n = num_sets or (input_sets_for(per_set) if device != "cpu" else 2)
         g = torch.Generator(device=device).manual_seed(0)
 
         def randn(*shape):
             return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g)
 
-        self.q = [randn(tokens, HQ, D) for _ in range(n)]
-        self.k = [randn(tokens, HK, D) for _ in range(n)]
-        self.v = [randn(tokens, HK, D) for _ in range(n)]
-        self.positions = [torch.randint(0, 131072, (tokens,), device=device, generator=g)
-                          for _ in range(n)]
-        self.cache = cr.cos_sin_cache(131072, D, dtype="float32", like=self.q[0])
-        self.q_weight = torch.rand(D, device=device, generator=g).to(torch.bfloat16) + 0.5
-        self.k_weight = torch.rand(D, device=device, generator=g).to(torch.bfloat16) + 0.5
-        num_blocks = -(-tokens // BLOCK_SIZE) + 8
-        self.k_cache = torch.zeros(num_blocks, BLOCK_SIZE, HK, D, device=device,
+        self.q = [randn(tokens, hq, d) for _ in range(n)]
+        self.k = [randn(tokens, hk, d) for _ in range(n)]
+        self.v = [randn(tokens, hk, d) for _ in range(n)]
+        self.positions = [self._positions(g) for _ in range(n)]
+        self.cache = cr.cos_sin_cache(MAX_POSITION, lay.rot, dtype="float32", like=self.q[0])
+        self.q_weight = torch.rand(d, device=device, generator=g).to(torch.bfloat16) + 0.5
+        self.k_weight = torch.rand(d, device=device, generator=g).to(torch.bfloat16) + 0.5
+        sequences = tokens // lay.draft_tokens if lay.draft_tokens else 0
+        num_blocks = max(-(-tokens // BLOCK_SIZE), sequences) + 8
+        self.k_cache = torch.zeros(num_blocks, BLOCK_SIZE, hk, d, device=device,
                                    dtype=torch.bfloat16)
         self.v_cache = torch.zeros_like(self.k_cache)
         self._num_blocks = num_blocks
         self._other_caches: dict[str, tuple] = {}  # HND and fp8, made when an op first asks
-        rows = torch.arange(BLOCK_SIZE, device=device)
-        self.slots = [(torch.randperm(num_blocks, device=device, generator=g)[:, None] * BLOCK_SIZE
-                       + rows).flatten()[:tokens].contiguous() for _ in range(n)]
+        if lay.draft_tokens:  # each sequence's draft tokens in consecutive slots of its own block
+            draft = torch.arange(lay.draft_tokens, device=device)
+            self.slots = [
+                (torch.randperm(num_blocks, device=device, generator=g)[:sequences, None]
+                 * BLOCK_SIZE + torch.randint(0, BLOCK_SIZE - lay.draft_tokens + 1,
+                                              (sequences, 1), device=device, generator=g)
+                 + draft).flatten().contiguous() for _ in range(n)]
+        else:
+            rows = torch.arange(BLOCK_SIZE, device=device)
+            self.slots = [(torch.randperm(num_blocks, device=device, generator=g)[:, None]
+                           * BLOCK_SIZE + rows).flatten()[:tokens].contiguous() for _ in range(n)]
+
+    def _positions(self, g):
+        """One set's positions: random ``[T]`` (or ``[3, T]`` for M-RoPE); for speculative
+        decoding, each sequence's draft tokens at consecutive positions after a random context."""
+        import torch
+
+        lay, t, device = self.layout, self.tokens, self.device
+        if lay.draft_tokens:
+            if t % lay.draft_tokens or lay.draft_tokens > BLOCK_SIZE:
+                raise ValueError(f"T={t} is not a whole number of sequences of "
+                                 f"{lay.draft_tokens} <= {BLOCK_SIZE} draft tokens")
+            context = torch.randint(0, MAX_POSITION - lay.draft_tokens,
+                                    (t // lay.draft_tokens, 1), device=device, generator=g)
+            return (context + torch.arange(lay.draft_tokens, device=device)).flatten()
+        shape = (t,) if lay.mrope_section is None else (3, t)
+        return torch.randint(0, MAX_POSITION, shape, device=device, generator=g)
 
     def caches(self, op: str) -> tuple:
         """(k_cache, v_cache) of a cache op: NHD bf16, HND bf16 or NHD float8_e4m3fn."""
@@ -96,23 +180,27 @@ class FusedData:
         if op in ("rope_and_cache", "norm+rope+cache"):
             return self.k_cache, self.v_cache
         if op not in self._other_caches:
+            hk, d = self.layout.num_k_heads, self.layout.head_dim
             if op == "rope_and_cache HND":
-                shape, dtype = (self._num_blocks, HK, BLOCK_SIZE, D), torch.bfloat16
+                shape, dtype = (self._num_blocks, hk, BLOCK_SIZE, d), torch.bfloat16
             else:
-                shape, dtype = (self._num_blocks, BLOCK_SIZE, HK, D), torch.float8_e4m3fn
+                shape, dtype = (self._num_blocks, BLOCK_SIZE, hk, d), torch.float8_e4m3fn
             self._other_caches[op] = tuple(torch.zeros(shape, device=self.device, dtype=dtype)
                                            for _ in range(2))
         return self._other_caches[op]
 
     def bytes_moved(self, op: str) -> int:
         """Every byte the fused op must read and write once (positions and cos/sin rows too)."""
-        qk = self.tokens * (HQ + HK) * D * 2
-        angles = self.tokens * (8 + D * 4)  # positions and one fp32 cache row per token
+        lay = self.layout
+        qk = self.tokens * (lay.num_q_heads + lay.num_k_heads) * lay.head_dim * 2
+        # int64 positions (three for M-RoPE) and one fp32 cache row's worth per token (M-RoPE
+        # reads each frequency from one of three rows)
+        angles = self.tokens * (8 * lay.position_components + lay.rot * 4)
         if op == "rms_norm_rope":
             return 2 * qk + angles
         if op == "fp8 out":
             return qk + qk // 2 + angles
-        kv = self.tokens * HK * D * 2
+        kv = self.tokens * lay.num_k_heads * lay.head_dim * 2
         cache_rows = kv if op == "rope_and_cache fp8" else 2 * kv  # k and v rows, 1 or 2 bytes
         return 2 * qk + kv + cache_rows + angles + self.tokens * 8  # + v, cache rows, slots
 
@@ -176,7 +264,7 @@ def unfused(op: str, rope):
             import torch
 
             cache, x = cache.view(torch.uint8), _quantize(x).view(torch.uint8)
-        cache.view(-1, HK, D).index_copy_(0, slots, x)
+        cache.view(-1, *x.shape[-2:]).index_copy_(0, slots, x)
 
     def rope_cache(q, k, v, positions, cache, slots, k_cache, v_cache):
         q_out, k_out = rope(q, k, positions, cache)
@@ -186,37 +274,40 @@ def unfused(op: str, rope):
     return rope_cache
 
 
-def _cupyrope_rope(q, k, positions, cache):
+def _cupyrope_rope(q, k, positions, cache, scaling=None):
     import cupyrope as cr
 
-    return cr.apply_rope(q, k, positions, cos_sin_cache=cache)
+    return cr.apply_rope(q, k, positions, cos_sin_cache=cache, scaling=scaling)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(op: str):
+def _compiled(op: str, rope=hf_rope):
     import torch
 
     compiled_hf_rope()  # raises dynamo's recompile limit for the many shapes benchmarked
-    return torch.compile(unfused(op, hf_rope))  # dynamic after the second T: two compiles
+    return torch.compile(unfused(op, rope))  # dynamic after the second T: two compiles
 
 
-def fused(op: str, inplace: bool = False):
-    """The fused call of ``op``, taking the arguments of :meth:`FusedData.arg_sets`."""
+def fused(op: str, inplace: bool = False, scaling: dict | None = None):
+    """The fused call of ``op``, taking the arguments of :meth:`FusedData.arg_sets`; ``scaling``
+    is passed on (M-RoPE)."""
     import cupyrope as cr
 
     if op == "rms_norm_rope":
         def norm_rope(q, k, positions, cache, qw, kw):
             return cr.rms_norm_rope(q, k, qw, kw, positions, eps=EPS, cos_sin_cache=cache,
-                                    inplace=inplace)
+                                    scaling=scaling, inplace=inplace)
         return norm_rope
     if op == "fp8 out":
         def rope_fp8(q, k, positions, cache):
             return cr.apply_rope(q, k, positions, cos_sin_cache=cache, out_dtype="float8_e4m3fn",
-                                 q_scale=FP8_SCALE, k_scale=FP8_SCALE)
+                                 q_scale=FP8_SCALE, k_scale=FP8_SCALE, scaling=scaling)
         return rope_fp8
 
     options = {"rope_and_cache HND": dict(layout="HND"),
                "rope_and_cache fp8": dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)}.get(op, {})
+    if scaling is not None:
+        options["scaling"] = scaling
 
     def rope_cache(q, k, v, positions, cache, slots, k_cache, v_cache, qw=None, kw=None):
         if qw is not None:
@@ -226,14 +317,14 @@ def fused(op: str, inplace: bool = False):
     return rope_cache
 
 
-def plain_rope(op: str):
+def plain_rope(op: str, scaling: dict | None = None):
     """apply_rope in place on the q and k of ``op``'s arguments: the decode yardstick."""
     import cupyrope as cr
 
     def rope_inplace(q, k, *rest):
         positions, cache = (rest[0], rest[1]) if op in ("rms_norm_rope", "fp8 out") else (
             rest[1], rest[2])
-        return cr.apply_rope(q, k, positions, cos_sin_cache=cache, inplace=True)
+        return cr.apply_rope(q, k, positions, cos_sin_cache=cache, scaling=scaling, inplace=True)
     return rope_inplace
 
 
@@ -241,21 +332,24 @@ def make_fused_workload(op: str, impl: str, data: FusedData) -> Workload:
     """The workload ``impl`` (a key of :data:`FUSED_IMPLS`) of ``op`` on ``data``; raises
     :class:`Unavailable` when the implementation cannot run here."""
     nbytes = data.bytes_moved(op)
+    scaling = data.layout.scaling
     if impl == "copy":
         return sm_copy(nbytes // 2, device=data.device)
     if impl == "cupyrope-fused":
         # Small launches in place (a decode step rotates its q and k where they are); the fp8
         # outputs are new arrays by nature.
-        fn = fused(op, inplace=data.tokens <= GRAPH_MAX_TOKENS and op != "fp8 out")
+        fn = fused(op, inplace=data.tokens <= GRAPH_MAX_TOKENS and op != "fp8 out",
+                   scaling=scaling)
     elif impl == "plain-rope":
-        fn = plain_rope(op)
+        fn = plain_rope(op, scaling)
     elif impl == "unfused-eager":
-        fn = unfused(op, _cupyrope_rope)
+        fn = unfused(op, _cupyrope_rope if scaling is None else
+                     functools.partial(_cupyrope_rope, scaling=scaling))
     elif impl == "unfused-compile":
         reason = peer_status()["torch-compile-hf"]
         if reason:
             raise Unavailable(reason)
-        fn = _compiled(op)
+        fn = _compiled(op, data.layout.rope())
     else:
         raise ValueError(f"unknown implementation {impl!r}; known: {FUSED_IMPLS}")
     return Workload(impl, fn, data.arg_sets(op), nbytes)

@@ -29,8 +29,14 @@ def hf_rope(q, k, positions, cos_sin_cache):
     q ``[T, Hq, D]``, k ``[T, Hk, D]``, positions ``[T]``, cos_sin_cache ``[P, rotary_dim]``
     (first half cos, second half sin); dims past rotary_dim pass through.
     """
-    rotary_dim = cos_sin_cache.shape[-1]
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)           # [T, rotary_dim / 2]
+    return hf_rotate(q, k, cos, sin)
+
+
+def hf_rotate(q, k, cos, sin):
+    """The Hugging Face rotation (NeoX) of q and k by half-width ``[T, rotary_dim / 2]`` cos and
+    sin rows, out of place; dims past rotary_dim pass through."""
+    rotary_dim = 2 * cos.shape[-1]
     cos = torch.cat((cos, cos), dim=-1).unsqueeze(-2).to(q.dtype)  # [T, 1, rotary_dim], HF layout
     sin = torch.cat((sin, sin), dim=-1).unsqueeze(-2).to(q.dtype)
 
@@ -42,14 +48,42 @@ def hf_rope(q, k, positions, cos_sin_cache):
     return rotate(q), rotate(k)
 
 
+@functools.lru_cache(maxsize=None)
+def hf_mrope(sections: tuple[int, int, int], interleaved: bool = False):
+    """``rope(q, k, positions, cos_sin_cache)``: M-RoPE as vLLM's native path writes it, positions
+    ``[3, T]`` (temporal, height, width). Sectioned (Qwen2-VL): the cos / sin rows of the three
+    components gathered, frequency section i taken from component i. Interleaved (Qwen3-VL):
+    frequency j from the height when ``j % 3 == 1 and j < 3 * sections[1]``, the width when
+    ``j % 3 == 2 and j < 3 * sections[2]``, else the temporal position."""
+    sections = tuple(int(s) for s in sections)
+
+    def pick(rows):  # [3, T, rotary_dim / 2] -> [T, rotary_dim / 2]
+        if not interleaved:
+            return torch.cat([part[i] for i, part in enumerate(rows.split(sections, dim=-1))],
+                             dim=-1)
+        picked = rows[0].clone()
+        picked[..., 1:3 * sections[1]:3] = rows[1, ..., 1:3 * sections[1]:3]
+        picked[..., 2:3 * sections[2]:3] = rows[2, ..., 2:3 * sections[2]:3]
+        return picked
+
+    def mrope(q, k, positions, cos_sin_cache):
+        cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [3, T, rotary_dim / 2]
+        return hf_rotate(q, k, pick(cos), pick(sin))
+
+    return mrope
+
+
 @functools.lru_cache(maxsize=1)
 def compiled_hf_rope():
     """``torch.compile(hf_rope)``, mode default, ``dynamic=False`` (one graph per shape)."""
     # Every benchmarked shape is a recompilation; past the default limit (8) dynamo would fall back
-    # to eager without a word and the "torch.compile" numbers would be eager ones.
-    for name in ("recompile_limit", "cache_size_limit"):
+    # to eager without a word and the "torch.compile" numbers would be eager ones. The unfused
+    # sequences of every serving shape share a few code objects, hence the generous limits.
+    for name, limit in (("recompile_limit", 256), ("cache_size_limit", 256),
+                        ("accumulated_recompile_limit", 1024),
+                        ("accumulated_cache_size_limit", 1024)):
         if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+            setattr(torch._dynamo.config, name, max(limit, getattr(torch._dynamo.config, name)))
     return torch.compile(hf_rope, dynamic=False)
 
 
