@@ -1,0 +1,260 @@
+"""Run the peers' own RoPE test files (fetched by fetch.py into ``.peer_tests/``) against
+cupyrope.compat: each file in its own pytest process, with the shims of
+``scripts/peer_suites/shims/`` first on the path so that ``import flashinfer``, ``vllm`` and
+``transformer_engine`` resolve to cupyrope's adapters. Prints one table per peer (passed,
+failed, skipped, no adapter: a NotImplementedError raised by a shim, no CUDA, errors, unrun:
+past the time budget; the cases collected, the runtime and the commit of each file), then the
+calls that had no adapter and the most frequent failure messages.
+
+    python scripts/peer_suites/run.py                       # every file, every case
+    python scripts/peer_suites/run.py --max-cases 800 -n 8 --budget 200
+    python scripts/peer_suites/run.py --collect-only        # imports and collection only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHIMS = HERE / "shims"
+REPO = HERE.parents[1]
+MARKER = "no cupyrope adapter for"
+PEERS = ("vllm", "flashinfer", "te")
+PLUGINS = {"vllm": ["peer_suites_plugin", "vllm_test_fixtures"]}
+NO_CUDA = re.compile(r"Torch not compiled with CUDA enabled|Found no NVIDIA driver|"
+                     r"No CUDA GPUs are available|no CUDA-capable device|cudaErrorNoDevice|"
+                     r"cudaErrorInsufficientDriver|CUDA driver initialization failed|"
+                     r"needs a CUDA device|Invalid device|invalid device ordinal")
+BUDGET_REASON = "peer-suite time budget spent"  # the plugin's skip reason past a deadline
+RUN_LAST = ("test_fused_rope.py", "test_rope.py")  # TE's ~9,600 and FlashInfer's ~31,000 cases
+COLUMNS = ("passed", "failed", "skipped", "no adapter", "no CUDA", "errors", "unrun")
+
+
+def xdist_available() -> bool:
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pytest_command(peer: str, peer_dir: Path, test_file: Path, args, extra: list[str]):
+    command = [sys.executable, "-m", "pytest", str(test_file), "-c", str(HERE / "pytest.ini"),
+               "--rootdir", str(peer_dir), "--confcutdir", str(peer_dir), "-q",
+               "-p", "no:cacheprovider"]
+    for plugin in PLUGINS.get(peer, ["peer_suites_plugin"]):
+        command += ["-p", plugin]
+    if args.k:
+        command += ["-k", args.k]
+    return command + extra + list(args.pytest_args)
+
+
+def environment(peer: str) -> dict:
+    env = dict(os.environ)
+    paths = [str(SHIMS / "common"), str(SHIMS / peer), str(REPO)]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def count_cases(peer, peer_dir, test_file, args, workdir) -> tuple[int, str, int]:
+    """(cases collected, pytest's output, its exit status) of a ``--collect-only`` run."""
+    command = pytest_command(peer, peer_dir, test_file, args, ["--collect-only"])
+    done = subprocess.run(command, cwd=workdir, env=environment(peer), capture_output=True,
+                          text=True)
+    total = sum(1 for line in done.stdout.splitlines() if "::" in line)
+    return total, done.stdout + done.stderr, done.returncode
+
+
+def first_error_line(message: str) -> str:
+    for line in message.splitlines():
+        if line.startswith("E "):
+            return line[1:].strip()[:160]
+    lines = [line for line in message.splitlines() if line.strip()]
+    return (lines[-1] if lines else "")[:160]
+
+
+def no_adapter_name(message: str) -> str:
+    """What a shim's NoAdapter named: the rest of the first line holding the marker."""
+    line = next(line for line in message.splitlines() if MARKER in line)
+    return line.split(MARKER, 1)[1].strip().rstrip("'\"")
+
+
+def classify(results: dict) -> tuple[Counter, Counter, Counter]:
+    """(counts by column, no-adapter names, failure messages)."""
+    counts, missing, messages = Counter(), Counter(), Counter()
+    for case in results["cases"].values():
+        outcome, message = case["outcome"], case["message"]
+        if outcome in ("failed", "error"):
+            if MARKER in message:
+                missing[no_adapter_name(message)] += 1
+                counts["no adapter"] += 1
+                continue
+            if NO_CUDA.search(message):
+                counts["no CUDA"] += 1
+                continue
+            messages[first_error_line(message)] += 1
+        elif outcome == "skipped" and BUDGET_REASON in message:
+            counts["unrun"] += 1
+            continue
+        counts["errors" if outcome == "error" else outcome] += 1
+    for error in results["collect_errors"]:
+        if MARKER in error["message"]:
+            missing[no_adapter_name(error["message"])] += 1
+        messages["collection: " + first_error_line(error["message"])] += 1
+        counts["errors"] += 1
+    return counts, missing, messages
+
+
+def run_file(entry: dict, args, workdir: Path, deadline: float | None) -> dict:
+    peer = entry["peer"]
+    peer_dir = args.peer_tests / peer
+    test_file = peer_dir / entry["path"]
+    row = {"peer": peer, "path": entry["path"], "commit": entry["commit"][:12],
+           "counts": Counter(), "missing": Counter(), "messages": Counter()}
+    start = time.perf_counter()
+    if args.collect_only:
+        total, output, status = count_cases(peer, peer_dir, test_file, args, workdir)
+        row["total"] = total
+        row["seconds"] = time.perf_counter() - start
+        if status != 0:
+            row["counts"]["errors"] += 1
+            row["messages"][output.strip().splitlines()[-1] if output.strip() else "?"] += 1
+        return row
+    results_path = workdir / f"{peer}-{Path(entry['path']).stem}.json"
+    extra = ["--peer-results", str(results_path)]
+    if args.max_cases:
+        extra += ["--peer-max-cases", str(args.max_cases), "--peer-seed", str(args.seed)]
+    if args.workers:
+        extra += ["-n", str(args.workers)]
+    if deadline:
+        extra += ["--peer-deadline", str(deadline)]
+    command = pytest_command(peer, peer_dir, test_file, args, extra)
+    try:
+        done = subprocess.run(command, cwd=workdir, env=environment(peer), capture_output=True,
+                              text=True, timeout=args.timeout or None)
+        output = done.stdout + done.stderr
+    except subprocess.TimeoutExpired as timeout:
+        output = f"timed out after {args.timeout} s\n" + str(timeout.stdout or "")[-2000:]
+    row["seconds"] = time.perf_counter() - start
+    collected = Path(str(results_path) + ".collected")
+    if collected.exists():
+        row["total"] = int(collected.read_text())
+    if results_path.exists():
+        counts, missing, messages = classify(json.loads(results_path.read_text()))
+        row.update(counts=counts, missing=missing, messages=messages)
+    else:  # pytest never got to write results (an internal error, a timeout)
+        row["counts"]["errors"] += 1
+        row["messages"][output.strip().splitlines()[-1] if output.strip() else "?"] += 1
+    if args.verbose:
+        print(output[-6000:])
+    return row
+
+
+def print_tables(rows: list[dict], args) -> None:
+    for peer in PEERS:
+        peer_rows = [row for row in rows if row["peer"] == peer]
+        if not peer_rows:
+            continue
+        print(f"\n== {peer}")
+        header = ["file", "commit", *(("cases",) if args.collect_only else COLUMNS),
+                  *(() if args.collect_only else ("collected",)), "seconds"]
+        table = []
+        for row in peer_rows:
+            if args.collect_only:
+                cells = [row.get("total", 0)]
+            else:
+                cells = [row["counts"].get(column, 0) for column in COLUMNS]
+            if not args.collect_only:
+                cells.append(row.get("total", ""))
+            table.append([Path(row["path"]).name, row["commit"], *cells,
+                          f"{row['seconds']:.1f}"])
+        widths = [max(len(str(x)) for x in column) for column in zip(header, *table)]
+        for line in [header, *table]:
+            print("  ".join(str(x).ljust(w) for x, w in zip(line, widths)))
+        for row in peer_rows:
+            for name, n in row["missing"].most_common():
+                print(f"  no adapter  {Path(row['path']).name}: {n} x {name}")
+            for message, n in row["messages"].most_common(args.messages):
+                print(f"  failure     {Path(row['path']).name}: {n} x {message}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peer-tests", type=Path, default=REPO / ".peer_tests",
+                        help="the folder fetch.py filled (default .peer_tests)")
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers")
+    parser.add_argument("--files", default="", help="comma-separated substrings of file paths")
+    parser.add_argument("--max-cases", type=int, default=0,
+                        help="per file, run a seeded sample of at most N cases (0: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-k", default="", help="pytest -k expression, passed to every file")
+    parser.add_argument("-n", "--workers", default="auto" if xdist_available() else "",
+                        help="pytest-xdist workers per file ('' or 0: none; default auto)")
+    parser.add_argument("--budget", type=float, default=0,
+                        help="seconds for the whole run: each file may start cases until its "
+                             "share of the time left has passed (the rest count as unrun)")
+    parser.add_argument("--file-budget", type=float, default=0,
+                        help="seconds per file after which its remaining cases are not started "
+                             "(counted as unrun; 0: no limit)")
+    parser.add_argument("--timeout", type=float, default=0,
+                        help="seconds per file after which its pytest is killed (0: none)")
+    parser.add_argument("--collect-only", action="store_true",
+                        help="collect every file through the shims, run nothing")
+    parser.add_argument("--messages", type=int, default=5, help="failure messages shown per file")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print pytest's output")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+    args = parser.parse_args(argv)
+    if args.workers in ("0", 0):
+        args.workers = ""
+    manifest = json.loads((args.peer_tests / "manifest.json").read_text())
+    peers = set(args.peers.split(","))
+    wanted = [s for s in args.files.split(",") if s]
+    entries = [e for e in manifest
+               if e["peer"] in peers and Path(e["path"]).name.startswith("test_")
+               and (not wanted or any(s in e["path"] for s in wanted))]
+    # Small files first: under --budget what a file leaves unused passes to the later, larger
+    # ones.
+    entries.sort(key=lambda e: (RUN_LAST.index(Path(e["path"]).name)
+                                if Path(e["path"]).name in RUN_LAST else -1, e["peer"], e["path"]))
+    start, start_wall = time.perf_counter(), time.time()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="peer_suites_") as tmp:
+        for done, entry in enumerate(entries):
+            print(f"running {entry['peer']}/{entry['path']} ...", flush=True)
+            deadline = None
+            if args.budget:  # the time left, shared equally by the files left
+                now = time.time()
+                deadline = now + (start_wall + args.budget - now) / (len(entries) - done)
+            if args.file_budget:
+                deadline = min(deadline or math.inf, time.time() + args.file_budget)
+            row = run_file(entry, args, Path(tmp), deadline)
+            rows.append(row)
+            print("  " + ", ".join(f"{column} {row['counts'].get(column, 0)}"
+                                   for column in COLUMNS) + f"; {row['seconds']:.1f} s",
+                  flush=True)
+    print_tables(rows, args)
+    total = Counter()
+    for row in rows:
+        total.update(row["counts"])
+    print(f"\ntotal: " + ", ".join(f"{column} {total.get(column, 0)}" for column in COLUMNS)
+          + f"; {time.perf_counter() - start:.1f} s"
+          + (f" (sampled: at most {args.max_cases} cases per file, seed {args.seed})"
+             if args.max_cases else ""))
+    return 1 if total.get("failed") or total.get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

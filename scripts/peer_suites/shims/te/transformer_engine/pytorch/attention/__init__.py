@@ -1,0 +1,3 @@
+from peer_shim_support import module_getattr
+
+__getattr__ = module_getattr("transformer_engine.pytorch.attention")

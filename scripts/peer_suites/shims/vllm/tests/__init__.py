@@ -1,0 +1,1 @@
+"""The helpers of vLLM's ``tests`` package that its kernel tests import."""
