@@ -175,10 +175,12 @@ def mla_rope_and_cache(q: Array | tuple[Array, Array], k_pe: Array, kv_c: Array,
                        scaling: Mapping[str, Any] | None = None, interleaved: bool = True,
                        out_dtype: Any = None, q_scale: Any = None, k_scale: Any = None,
                        kv_scale: Any = None, cache_dtype: Any = None, inplace: bool = False,
-                       validate: bool = False, seq_len: int | None = None):
+                       validate: bool = False, seq_len: int | None = None,
+                       kpe_cache: Array | None = None):
     """DeepSeek MLA's step before attention in one call: rotate the rope part of every q head
     and of ``k_pe``, store q whole (input dtype or fp8), and write ``[kv_c | rotated k_pe]``
-    into vLLM's MLA cache (``concat_and_cache_mla``'s layout).
+    into vLLM's MLA cache (``concat_and_cache_mla``'s layout), or kv_c and the rotated k_pe
+    into two caches (FlashInfer's ``ckv_cache`` / ``kpe_cache``) with ``kpe_cache``.
 
     Parameters
     ----------
@@ -208,6 +210,10 @@ def mla_rope_and_cache(q: Array | tuple[Array, Array], k_pe: Array, kv_c: Array,
     inplace : bool
         Rotate the rope parts of q and k_pe in place (no fp8 outputs); the nope dims are not
         touched.
+    kpe_cache : array ``(num_blocks, block_size, rope_dim)``, optional
+        The rotated k_pe's own cache, of kv_cache's dtype (FlashInfer's MLA layout); kv_cache
+        is then ``(num_blocks, block_size, kv_lora_rank)``. Written in place, slot for slot
+        as kv_cache.
 
     Returns
     -------
@@ -233,6 +239,9 @@ def mla_rope_and_cache(q: Array | tuple[Array, Array], k_pe: Array, kv_c: Array,
     jax_mla = _jax_mla(*(q if isinstance(q, (tuple, list)) else (q,)), k_pe, kv_c, positions,
                        kv_cache, slot_mapping, cos_sin_cache, q_scale, k_scale, kv_scale)
     if jax_mla is not None:  # functional: new arrays and a new cache
+        if kpe_cache is not None:
+            raise TypeError("mla_rope_and_cache: kpe_cache (two caches) is not supported for "
+                            "JAX arrays; pass one joint kv_cache")
         return jax_mla.mla_rope_and_cache(
             q, k_pe, kv_c, positions, kv_cache, slot_mapping, cos_sin_cache=cos_sin_cache,
             theta=theta, scaling=scaling, interleaved=interleaved, out_dtype=out_dtype,
@@ -262,14 +271,15 @@ def mla_rope_and_cache(q: Array | tuple[Array, Array], k_pe: Array, kv_c: Array,
             inplace is True, validate,
             dict(cos_sin_cache=cos_sin_cache, theta=theta, scaling=scaling,
                  interleaved=interleaved, out_dtype=out_dtype, q_scale=q_scale, k_scale=k_scale,
-                 kv_scale=kv_scale, cache_dtype=cache_dtype, seq_len=seq_len))
+                 kv_scale=kv_scale, cache_dtype=cache_dtype, seq_len=seq_len,
+                 kpe_cache=kpe_cache))
     in_place = inplace is True
     mla = plan_mla(op_name, None if in_place else q_nope, q_pe, None, k_heads, positions,
                    rope=_rope_options(cos_sin_cache, theta, scaling, interleaved, inplace,
                                       seq_len),
                    out_dtype=out_dtype, q_scale=q_scale, k_scale=k_scale, kv_c=kv_c,
                    kv_cache=kv_cache, slot_mapping=slot_mapping, cache_dtype=cache_dtype,
-                   kv_scale=kv_scale, validate=validate)
+                   kv_scale=kv_scale, validate=validate, kpe_cache=kpe_cache)
     _check_array_type(mla, op_name)
     if mla.rope.inplace:
         _run(mla, [None, mla.rope.q, None, mla.rope.k])
@@ -290,16 +300,18 @@ def mla_rope_and_cache(q: Array | tuple[Array, Array], k_pe: Array, kv_c: Array,
 
 def latent_cache_write(kv_c: Array, k_pe: Array, kv_cache: Array, slot_mapping: Array, *,
                        cache_dtype: Any = None, kv_scale: Any = None, validate: bool = False,
-                       op_name: str = "latent_cache_write") -> Array:
+                       op_name: str = "latent_cache_write", kpe_cache: Array | None = None
+                       ) -> Array:
     """The cache half of :func:`mla_rope_and_cache` without the rotation (vLLM's
     ``concat_and_cache_mla``): ``[kv_c | k_pe]`` into the row of each token's slot, k_pe as it
     is, stored once in the cache's format. Arguments as :func:`mla_rope_and_cache`; ``kv_c``,
-    ``k_pe`` and ``slot_mapping`` have one token each. Returns kv_cache."""
+    ``k_pe`` and ``slot_mapping`` have one token each; with ``kpe_cache``, kv_c and k_pe go to
+    two caches. Returns kv_cache."""
     k_heads = _token_heads(k_pe, "k_pe", op_name)
     mla = plan_mla(op_name, None, k_heads[:, :0], None, k_heads, None,
                    rope=_rope_options(None, 10000.0, None, True, False, None), kv_c=kv_c,
                    kv_cache=kv_cache, slot_mapping=slot_mapping, cache_dtype=cache_dtype,
-                   kv_scale=kv_scale, rotate=False, validate=validate)
+                   kv_scale=kv_scale, rotate=False, validate=validate, kpe_cache=kpe_cache)
     _check_array_type(mla, op_name)
     _run(mla, [None, None, None, None])
     return kv_cache

@@ -1,8 +1,9 @@
 // DeepSeek MLA (cupyrope.mla_rope_and_cache, cupyrope.mla_rope_quantize) in one launch: every q
 // head [nope | rope] stored whole with its rope part (the LAST rope_dim dims) rotated, k_pe (and
 // a k nope part) likewise, and the latent cache row [kv_c | rotated k_pe] of each token's slot
-// (vLLM's concat_and_cache_mla layout), each element rounded once to its output format (the
-// input dtype, or fp8 value / scale through store_values of fused.cuh).
+// (vLLM's concat_and_cache_mla layout; or kv_c and k_pe in two caches, FlashInfer's ckv / kpe
+// layout), each element rounded once to its output format (the input dtype, or fp8 value /
+// scale through store_values of fused.cuh).
 //
 // Work: blockIdx.x strides over tokens; the threads of a block share out the token's items, one
 // access of A elements (16 bytes when VECTOR) each:
@@ -36,7 +37,8 @@ struct MlaParams {
   void* q_pe_out;
   void* k_nope_out;
   void* k_pe_out;
-  void* kv_cache;  // [num_blocks, block_size, rank + rope_dim] (nullptr: no cache write)
+  void* kv_cache;  // [num_blocks, block_size, rank + rope_dim], or [.., rank] with kpe_cache
+  void* kpe_cache;  // [num_blocks, block_size, rope_dim]; nullptr: k_pe after kv_c in kv_cache
   const void* positions;  // int32 / int64, nullptr: the token index
   const void* slot_mapping;
   const void* table;  // cos_sin_cache [max_position, rope_dim], or nullptr for computed angles
@@ -46,14 +48,14 @@ struct MlaParams {
   const float* kv_scale;
   long long q_nope_strides[2], q_pe_strides[2], k_nope_strides[2], k_pe_strides[2];
   long long q_nope_out_strides[2], q_pe_out_strides[2], k_nope_out_strides[2], k_pe_out_strides[2];
-  long long kv_c_stride, cache_block_stride, cache_row_stride;
+  long long kv_c_stride, cache_block_stride, cache_row_stride, kpe_block_stride, kpe_row_stride;
   long long positions_stride, slot_stride, table_row_stride, table_col_stride;
   long long num_tokens, num_q_heads, num_k_heads, nope_dim, k_nope_dim, rope_dim, rank;
   long long num_slots, block_size, max_position;
   long long positions_int64, slots_int64, out_format, cache_format, rotate;
   float q_scale_value, k_scale_value, kv_scale_value, attention_factor;
 };
-static_assert(sizeof(MlaParams) == 456, "MlaParams must match MLA_PARAMS_DTYPE (mla_launch.py)");
+static_assert(sizeof(MlaParams) == 480, "MlaParams must match MLA_PARAMS_DTYPE (mla_launch.py)");
 
 __device__ __forceinline__ long long mla_index(const void* values, long long i, bool wide) {
   return wide ? static_cast<const long long*>(values)[i] : static_cast<const int*>(values)[i];
@@ -208,7 +210,7 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
         ? mla_index(p.positions, token * p.positions_stride, p.positions_int64 != 0)
         : token;
     long long slot = -1;
-    if (p.kv_cache != nullptr) {
+    if (p.slot_mapping != nullptr) {  // the cache is written (kv_cache may be empty: rank 0)
       slot = mla_index(p.slot_mapping, token * p.slot_stride, p.slots_int64 != 0);
       if (slot >= p.num_slots) slot = -1;  // past the cache: skipped, as padding
     }
@@ -217,15 +219,20 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
     const long long k_items = p.k_pe_out != nullptr
         ? p.num_k_heads * ((p.k_nope_out != nullptr ? p.k_nope_dim / A : 0) + half / P) : 0;
     // The cache row: kv_c chunks, then the rotated k_pe, which the k items store there too
-    // when they run (k_pe's one head), else cache items of their own.
-    long long row = 0;
+    // when they run (k_pe's one head), else cache items of their own. k_pe's row is in a cache
+    // of its own (FlashInfer's kpe_cache) or is the joint row's last rope_dim entries (the host
+    // then gives the joint row's strides as kpe strides): one code path for both layouts.
+    long long row = 0, pe_row = 0;
     if (slot >= 0) {
       const long long block = slot / p.block_size;
-      row = block * p.cache_block_stride + (slot - block * p.block_size) * p.cache_row_stride;
+      const long long entry = slot - block * p.block_size;
+      row = block * p.cache_block_stride + entry * p.cache_row_stride;
+      pe_row = block * p.kpe_block_stride + entry * p.kpe_row_stride;
     }
+    const bool joint = p.kpe_cache == nullptr;
     const MlaTarget no_cache{nullptr, 0, 0, 0.0f};
-    const MlaTarget cache_pe{slot >= 0 ? p.kv_cache : nullptr, row + p.rank, p.cache_format,
-                             kv_inv};
+    const MlaTarget cache_pe{slot >= 0 ? (joint ? p.kv_cache : p.kpe_cache) : nullptr,
+                             pe_row + (joint ? p.rank : 0), p.cache_format, kv_inv};
     const long long cache_items = slot >= 0 ? p.rank / A + (k_items == 0 ? half / P : 0) : 0;
     const long long total = q_items + k_items + cache_items;
     for (long long item = threadIdx.x; item < total; item += blockDim.x) {

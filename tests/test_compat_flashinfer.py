@@ -616,7 +616,7 @@ def _paged_args(rng, randn, **change):
 
 
 @pytest.mark.parametrize("case, error, match", [
-    ("mla", ValueError, "MLA .* is not supported.*compat.mla_rope_quantize_fp8"),
+    ("mla", ValueError, r"MLA \(2-d k_rope\) takes no v"),
     ("page_size", ValueError, r"k_cache of shape \(\d+, 4, 2, 80\) has pages of 4 entries in "
                               r"layout NHD, but page_size=8"),
     ("cache_dtype", TypeError, "v_cache must have quantize_dtype torch.float8_e5m2"),
@@ -753,6 +753,13 @@ def video_launches(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def past_flashinfers_limits(monkeypatch):
+    """The adapter's computation where FlashInfer's kernel stops (the CPU, 40 heads): its
+    FlashInfer refusals lifted, every other check and launch as called."""
+    monkeypatch.setattr(flashinfer, "_refuse_beyond_flashinfer", lambda *args: None)
+
+
 @pytest.mark.parametrize("backend", TORCH, indirect=True)
 @pytest.mark.parametrize("heads", [(4, 4, 4), (4, 2, 3)])
 @pytest.mark.parametrize("rank", [3, 2])
@@ -760,8 +767,12 @@ def video_launches(monkeypatch):
 @pytest.mark.parametrize("yarn", [None, (4.0, 2.0, 9.0, 1.25)])
 @pytest.mark.parametrize("is_qk_norm", [True, False])
 @pytest.mark.parametrize("output_fp8", [False, True])
-def test_fused_qk_rmsnorm_rope(backend, rng, randn, video_launches, heads, rank, interleave,
-                               yarn, is_qk_norm, output_fp8):
+def test_fused_qk_rmsnorm_rope(request, backend, rng, randn, video_launches, heads, rank,
+                               interleave, yarn, is_qk_norm, output_fp8):
+    """On CUDA through FlashInfer's checks; on the CPU (which FlashInfer refuses) with them
+    lifted."""
+    if not backend.on_gpu:
+        request.getfixturevalue("past_flashinfers_limits")
     Hq, Hk, Hv = heads
     D, batch, seq_len = 64, 2, VIDEO["ppf"] * VIDEO["pph"] * VIDEO["ppw"]
     rows = randn((batch, seq_len, (Hq + Hk + Hv) * D), "bfloat16") * 3
@@ -812,9 +823,10 @@ def test_fused_qk_rmsnorm_rope(backend, rng, randn, video_launches, heads, rank,
 
 
 @pytest.mark.parametrize("backend", TORCH, indirect=True)
-def test_fused_qk_rmsnorm_rope_at_wan_sizes(backend, rng, randn):
-    """Wan 2.1 14B's attention: 40 heads of 128 (the norm spans 5120 values), channels 44 / 42 /
-    42, NeoX and interleaved alike; the v heads copied bit for bit."""
+def test_fused_qk_rmsnorm_rope_at_wan_sizes(backend, rng, randn, past_flashinfers_limits):
+    """Wan 2.1 14B's attention: 40 heads of 128 (the norm spans 5120 values; past FlashInfer's
+    32, which the adapter refuses as FlashInfer does: see the refusals below), channels 44 / 42
+    / 42, NeoX and interleaved alike; the v heads copied bit for bit."""
     video = dict(ppf=3, pph=4, ppw=6, num_frame_channels=44, num_height_channels=42,
                  num_width_channels=42)
     H, D, seq_len = 40, 128, 3 * 4 * 6
@@ -838,7 +850,8 @@ def test_fused_qk_rmsnorm_rope_at_wan_sizes(backend, rng, randn):
             assert error.max() <= 4 * 2.0**-8, f"part {at}: error {error.max():.3g} x max"
 
 
-def test_fused_qk_rmsnorm_rope_defaults_and_returns_new_tensors(rng, randn):
+def test_fused_qk_rmsnorm_rope_defaults_and_returns_new_tensors(rng, randn,
+                                                                past_flashinfers_limits):
     """FlashInfer's defaults (eps 1e-6, base 1e4, interleaved, no YaRN, norm on, bfloat16 out);
     without outputs given, new tensors [num_tokens, H, D] for a 2-d qkv."""
     Hq = Hk = Hv = 2
@@ -888,3 +901,121 @@ def test_fused_qk_rmsnorm_rope_refusals_write_nothing(randn, change, error, matc
         compat.fused_qk_rmsnorm_rope(**args)
     assert_bits_equal(args["q_out"], out_before, what="q_out")
     assert_bits_equal(qkv, qkv_before, what="qkv")
+
+
+def wan_call(randn, *, head_dim=128, heads=(24, 24, 24), dtype=torch.bfloat16,
+             weight_dtype=torch.bfloat16, device="cpu", seq_len=5 * 6 * 4):
+    """The arguments of a Wan 2.2 5B call (FlashInfer's own error tests), on ``device``."""
+    Hq, Hk, Hv = heads
+    third = 2 * (head_dim // 6)
+    rows = torch.from_numpy(randn((1, seq_len, (Hq + Hk + Hv) * head_dim)))
+    return dict(qkv=rows.to(device=device, dtype=dtype),
+                q_weight=torch.ones(Hq * head_dim, dtype=weight_dtype, device=device),
+                k_weight=torch.ones(Hk * head_dim, dtype=weight_dtype, device=device),
+                ppf=5, pph=6, ppw=4, num_frame_channels=head_dim - 2 * third,
+                num_height_channels=third, num_width_channels=third, num_heads_q=Hq,
+                num_heads_k=Hk, num_heads_v=Hv, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("backend", TORCH, indirect=True)
+@pytest.mark.parametrize("change, match", [
+    (dict(head_dim=96), r"head_dim must be 64, 128, or 256, got 96"),
+    (dict(head_dim=32), r"head_dim must be 64, 128, or 256, got 32"),
+    (dict(heads=(40, 40, 40)),
+     r"max\(num_heads_q, num_heads_k, num_heads_v\) must be <= 32, got 40"),
+    (dict(heads=(8, 8, 33)), r"max\(.*\) must be <= 32, got 33"),
+    (dict(dtype=torch.float16), r"qkv must be bfloat16, got torch.float16"),
+    (dict(dtype=torch.float32, weight_dtype=torch.float32), r"qkv must be bfloat16"),
+    (dict(weight_dtype=torch.float32), r"q_weight and k_weight must be bfloat16"),
+    ("strided qkv", r"qkv must be contiguous"),
+    ("strided weight", r"k_weight must be contiguous"),
+    ("strided v_out", r"v_out must be contiguous"),
+])
+def test_fused_qk_rmsnorm_rope_refuses_what_flashinfer_refuses(backend, randn, change, match):
+    """FlashInfer's checks (flashinfer/norm's ``_check_fused_qk_rmsnorm_rope`` and the call's
+    own) raise ValueError for these; so does the adapter, before any launch, naming the cupyrope
+    calls that take them. Nothing is written."""
+    device = "cuda" if backend.on_gpu else "cpu"
+    args = wan_call(randn, device=device, **(change if isinstance(change, dict) else {}))
+    if change == "strided qkv":  # every row one element longer than the heads it holds
+        wide = torch.cat([args["qkv"], args["qkv"][..., :1]], dim=-1)
+        args["qkv"] = wide[..., :-1]
+    if change == "strided weight":
+        args["k_weight"] = torch.stack([args["k_weight"]] * 2, dim=-1)[:, 0]
+    if change == "strided v_out":
+        shape = (1, 120, 24, 128)
+        args["v_out"] = torch.full((*shape[:-1], 2 * shape[-1]), float("nan"),
+                                   dtype=torch.bfloat16, device=device)[..., ::2]
+    qkv_before = args["qkv"].clone()
+    with pytest.raises(ValueError, match=f"^fused_qk_rmsnorm_rope: {match}.*"
+                                         r"cupyrope\.rms_norm_rope.*cupyrope\.apply_rope"):
+        compat.fused_qk_rmsnorm_rope(**args)
+    assert_bits_equal(args["qkv"], qkv_before, what="qkv")
+    if "v_out" in args:
+        assert torch.isnan(args["v_out"].float()).all()
+
+
+def test_fused_qk_rmsnorm_rope_refuses_the_cpu(randn):
+    """FlashInfer's kernel is CUDA only (its check: ValueError); FlashInfer's own test."""
+    with pytest.raises(ValueError, match=r"^fused_qk_rmsnorm_rope: qkv must be a CUDA tensor, "
+                                         r"got one on cpu; .*cupyrope\.rms_norm_rope"):
+        compat.fused_qk_rmsnorm_rope(**wan_call(randn))
+
+
+@pytest.mark.parametrize("backend", TORCH, indirect=True)
+@pytest.mark.parametrize("output_fp8", [False, True])
+@pytest.mark.parametrize("is_qk_norm", [True, False])
+@pytest.mark.parametrize("given", [False, True])
+def test_fused_qk_rmsnorm_rope_is_not_differentiable(request, backend, randn, output_fp8,
+                                                     is_qk_norm, given):
+    """As FlashInfer's kernel: weights that require grad (``nn.RMSNorm``'s parameters) are only
+    read, with grad mode on; no result requires grad, and the values are those of detached
+    weights, bit for bit."""
+    if not backend.on_gpu:
+        request.getfixturevalue("past_flashinfers_limits")
+    device = "cuda" if backend.on_gpu else "cpu"
+    args = wan_call(randn, head_dim=64, heads=(2, 2, 2), device=device)
+    norms = [torch.nn.RMSNorm(2 * 64, eps=1e-6).to(device=device, dtype=torch.bfloat16)
+             for _ in range(2)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(1.0 + 0.1 * torch.from_numpy(randn((2 * 64,))))
+    options = dict(is_qk_norm=is_qk_norm, output_fp8=output_fp8, output_quant_scale=2.0)
+    out_dtype = torch.float8_e4m3fn if output_fp8 else torch.bfloat16
+
+    def outs():
+        if not given:
+            return {}
+        return {name: torch.zeros((1, 120, 2, 64), dtype=out_dtype, device=device)
+                for name in ("q_out", "k_out", "v_out")}
+
+    args.update(q_weight=norms[0].weight, k_weight=norms[1].weight)
+    assert torch.is_grad_enabled() and args["q_weight"].requires_grad
+    got = compat.fused_qk_rmsnorm_rope(**args, **options, **outs())
+    args.update(q_weight=norms[0].weight.detach(), k_weight=norms[1].weight.detach())
+    expected = compat.fused_qk_rmsnorm_rope(**args, **options, **outs())
+    for name, g, e in zip(("q_out", "k_out", "v_out"), got, expected):
+        assert not g.requires_grad and g.grad_fn is None, name
+        assert g.dtype == out_dtype and g.shape == (1, 120, 2, 64), name
+        assert_bits_equal(g.view(torch.uint8) if output_fp8 else g,
+                          e.view(torch.uint8) if output_fp8 else e, what=name)
+
+
+@pytest.mark.parametrize("backend", TORCH, indirect=True)
+@pytest.mark.parametrize("rank", [3, 2])
+@pytest.mark.parametrize("output_fp8", [False, True])
+@pytest.mark.parametrize("is_qk_norm", [True, False])
+def test_fused_qk_rmsnorm_rope_of_no_tokens(request, backend, rank, output_fp8, is_qk_norm):
+    """No sequence at all (FlashInfer's kernel aborts the process there): empty outputs."""
+    if not backend.on_gpu:
+        request.getfixturevalue("past_flashinfers_limits")
+    D, seq_len = 64, VIDEO["ppf"] * VIDEO["pph"] * VIDEO["ppw"]
+    shape = (0, seq_len, 6 * D) if rank == 3 else (0, 6 * D)
+    device = "cuda" if backend.on_gpu else "cpu"
+    w = torch.ones(2 * D, dtype=torch.bfloat16, device=device)
+    got = compat.fused_qk_rmsnorm_rope(
+        torch.empty(shape, dtype=torch.bfloat16, device=device), w, w, **VIDEO, num_heads_q=2,
+        num_heads_k=2, num_heads_v=2, head_dim=D, is_qk_norm=is_qk_norm, output_fp8=output_fp8)
+    for out in got:
+        assert out.shape == shape[:-1] + (2, D)
+        assert out.dtype == (torch.float8_e4m3fn if output_fp8 else torch.bfloat16)

@@ -334,7 +334,7 @@ def test_launch_parameters_describe_the_plan(rng, randn, deepseek_cache):
     from cupyrope.core.mla import plan_mla
     from cupyrope.cuda.mla_launch import MLA_PARAMS_DTYPE, plan_mla_launch
 
-    assert MLA_PARAMS_DTYPE.itemsize == 456  # static_assert'ed in kernels_cu/mla.cuh
+    assert MLA_PARAMS_DTYPE.itemsize == 480  # static_assert'ed in kernels_cu/mla.cuh
     T, H, nope = 5, 4, 128
     q = randn((T, H, nope + ROPE), "bfloat16")
     k_pe, kv_c = randn((T, 1, ROPE), "bfloat16"), randn((T, RANK), "bfloat16")
@@ -356,6 +356,10 @@ def test_launch_parameters_describe_the_plan(rng, randn, deepseek_cache):
     assert (int(p["num_slots"]), int(p["block_size"]), int(p["cache_format"])) == (12, 4, 1)
     assert int(p["slots_int64"]) == 0 and float(p["kv_scale_value"]) == 0.5
     assert int(p["max_position"]) == MAX_POSITION and int(p["rotate"]) == 1
+    # One joint cache: no kpe_cache pointer, k_pe's rows take the joint rows' strides.
+    assert int(p["kpe_cache"]) == 0
+    assert (int(p["kpe_block_stride"]), int(p["kpe_row_stride"])) == (4 * (RANK + ROPE),
+                                                                      RANK + ROPE)
     odd = randn((T, H, nope + ROPE + 1), "bfloat16")  # heads 385 wide: no 16-byte alignment
     assert not launch(odd[..., :nope], odd[..., nope:nope + ROPE])[0].vector
     assert not launch(q[..., :nope], q[..., nope:], interleaved=False)[0].interleaved
@@ -610,3 +614,253 @@ def test_gpu_in_place_with_cache_matches_numpy(rng, randn, deepseek_cache, frame
         exact = exact_rope(x, positions, deepseek_cache, interleaved)
         assert_rope_close(g, exact, x, interleaved=interleaved, rotary_dim=ROPE)
         assert_rope_close(h, exact, x, interleaved=interleaved, rotary_dim=ROPE)
+
+
+# --- Two caches: kv_c rows in kv_cache, the rotated k_pe in kpe_cache (FlashInfer's layout) ---
+
+def _split_caches(dtype, blocks, block_size, fmt, as_views: bool):
+    """Poisoned ``(kv_cache [.., RANK], kpe_cache [.., ROPE])``: two arrays, or the two slices of
+    one joint cache (rows of RANK + ROPE entries apart)."""
+    joint = _poisoned_cache(dtype, blocks, block_size, fmt)
+    if as_views:
+        return joint[..., :RANK], joint[..., RANK:]
+    return joint[..., :RANK].copy(), joint[..., RANK:].copy()
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("cache_fmt", [None, "float8_e4m3fn", "uint8-e5m2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("as_views", [False, True])
+def test_two_caches_hold_the_joint_rows(rng, randn, deepseek_cache, interleaved, cache_fmt,
+                                        dtype, as_views):
+    """kv_cache [.., kv_lora_rank] and kpe_cache [.., rope_dim] get, slot for slot, the two
+    parts of the joint cache's rows (the same bits), and q / k_pe outputs are unchanged."""
+    T, H, nope, blocks, block_size = 11, 4, 128, 6, 4
+    q = randn((T, H, nope + ROPE), dtype)
+    k_pe, kv_c = randn((T, ROPE), dtype), randn((T, RANK), dtype)
+    positions = rng.integers(0, MAX_POSITION, T)
+    slots = rng.permutation(blocks * block_size)[:T].astype(np.int64)
+    slots[[1, 6]] = -1
+    slots[3] = blocks * block_size  # past the cache: skipped
+    fp8 = None if cache_fmt is None else cache_fmt.replace("uint8-e5m2", "float8_e5m2")
+    options = dict(cos_sin_cache=deepseek_cache, interleaved=interleaved,
+                   out_dtype="float8_e4m3fn", q_scale=0.5, k_scale=2.0)
+    if fp8 is not None:
+        options["kv_scale"] = 0.25
+    if cache_fmt == "uint8-e5m2":
+        options["cache_dtype"] = fp8
+    joint = _poisoned_cache(dtype, blocks, block_size, fp8)
+    ckv, kpe = _split_caches(dtype, blocks, block_size, fp8, as_views)
+    if cache_fmt == "uint8-e5m2":
+        joint, ckv, kpe = joint.view(np.uint8), ckv.view(np.uint8), kpe.view(np.uint8)
+    expected = cr.mla_rope_and_cache(q, k_pe, kv_c, positions, joint, slots, **options)
+    got = cr.mla_rope_and_cache(q, k_pe, kv_c, positions, ckv, slots, kpe_cache=kpe,
+                                **options)
+    assert got[2] is ckv
+    for g, e, what in ((got[0], expected[0], "q_out"), (got[1], expected[1], "k_pe_out"),
+                       (ckv, joint[..., :RANK], "kv_cache"), (kpe, joint[..., RANK:],
+                                                              "kpe_cache")):
+        assert_bits_equal(np.ascontiguousarray(g).view(np.uint8),
+                          np.ascontiguousarray(e).view(np.uint8), what=what)
+    written = (slots >= 0) & (slots < blocks * block_size)
+    stored = kpe.view(np_dtype(fp8)) if cache_fmt == "uint8-e5m2" else kpe
+    rows = stored.reshape(-1, ROPE)[slots[written]] if not as_views else \
+        stored[slots[written] // block_size, slots[written] % block_size]
+    k_exact = exact_rope(k_pe[:, None, :], positions, deepseek_cache, interleaved)[:, 0]
+    if fp8 is None:
+        assert_rope_close(rows[:, None], k_exact[written][:, None], k_pe[written][:, None],
+                          interleaved=interleaved, rotary_dim=ROPE)
+    else:
+        assert_fp8_close(rows, k_exact[written] / 0.25, "kpe_cache rows")
+
+
+def test_two_caches_on_the_latent_cache_write(randn):
+    """latent_cache_write (no rotation) into two caches: kv_c and k_pe as they are."""
+    T = 6
+    kv_c, k_pe = randn((T, RANK), "bfloat16"), randn((T, ROPE), "bfloat16")
+    ckv, kpe = _split_caches("bfloat16", 3, 4, None, False)
+    slots = np.array([5, -1, 0, 11, 2, 7])
+    from cupyrope.mla import latent_cache_write
+
+    latent_cache_write(kv_c, k_pe, ckv, slots, kpe_cache=kpe)
+    flat_ckv, flat_kpe = ckv.reshape(-1, RANK), kpe.reshape(-1, ROPE)
+    written = slots >= 0
+    assert_bits_equal(flat_ckv[slots[written]], kv_c[written], what="kv_c rows")
+    assert_bits_equal(flat_kpe[slots[written]], k_pe[written], what="k_pe rows")
+    others = np.setdiff1d(np.arange(12), slots[written])
+    assert (flat_ckv[others].astype(np.float32) == POISON).all()
+    assert (flat_kpe[others].astype(np.float32) == POISON).all()
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("joint_width", ValueError, r"with a kpe_cache, kv_cache must be \[num_blocks, block_size, "
+                                r"kv_lora_rank = 512\], got shape \(6, 4, 576\)"),
+    ("kpe_width", ValueError, r"kpe_cache must be \[num_blocks, block_size, rope_dim\] = "
+                              r"\(6, 4, 64\).*got shape \(6, 4, 32\)"),
+    ("kpe_blocks", ValueError, r"kpe_cache must be .*\(6, 4, 64\).*got shape \(5, 4, 64\)"),
+    ("kpe_dtype", TypeError, "kpe_cache must have kv_cache's dtype bfloat16, got float32"),
+    ("kpe_stride", ValueError, "kpe_cache's last dim must have stride 1"),
+    ("kpe_read_only", ValueError, "kpe_cache is read-only"),
+    ("kpe_overlaps", ValueError, "kpe_cache shares memory with kv_cache"),
+    ("kpe_is_k_pe", ValueError, "kpe_cache shares memory with k_pe"),
+    ("kpe_torch", TypeError, "kpe_cache must be the array type and device of q"),
+])
+def test_two_cache_refusals_write_nothing(rng, randn, case, error, message):
+    case_args = _mla_case(randn, rng)
+    ckv, kpe = _split_caches("bfloat16", 6, 4, None, False)
+    if case == "joint_width":
+        ckv = case_args["kv_cache"]
+    elif case == "kpe_width":
+        kpe = kpe[..., :32]
+    elif case == "kpe_blocks":
+        kpe = kpe[:5]
+    elif case == "kpe_dtype":
+        kpe = kpe.astype(np.float32)
+    elif case == "kpe_stride":
+        kpe = np.repeat(kpe, 2, axis=-1)[..., ::2]
+    elif case == "kpe_read_only":
+        kpe.flags.writeable = False
+    elif case == "kpe_overlaps":
+        kpe = ckv[..., 100:100 + ROPE]
+    elif case == "kpe_is_k_pe":
+        kpe = np.resize(case_args["k_pe"], (6, 4, ROPE))
+        case_args["k_pe"] = kpe.reshape(-1, ROPE)[:5]
+    elif case == "kpe_torch":
+        torch = pytest.importorskip("torch")
+        kpe = torch.from_numpy(kpe.view(np.int16)).view(torch.bfloat16)
+    def bits(x):
+        return _to_host(x) if type(x).__module__.startswith("torch") else x
+
+    before = [ckv.copy(), bits(kpe).copy()]
+    with pytest.raises(error, match=message) as raised:
+        cr.mla_rope_and_cache(case_args["q"], case_args["k_pe"], case_args["kv_c"],
+                              case_args["positions"], ckv, case_args["slot_mapping"],
+                              kpe_cache=kpe)
+    assert str(raised.value).startswith("mla_rope_and_cache: ")
+    assert_bits_equal(ckv, before[0], what="kv_cache after a refused call")
+    assert_bits_equal(bits(kpe), before[1], what="kpe_cache after a refused call")
+
+
+def test_launch_parameters_of_two_caches(rng, randn, deepseek_cache):
+    """kpe_cache's pointer and strides in MlaParams; 16-byte accesses only where its rows and
+    pointer are aligned too."""
+    from cupyrope.core.arrays import describe
+    from cupyrope.core.mla import plan_mla
+    from cupyrope.cuda.mla_launch import plan_mla_launch
+
+    T, H, nope = 5, 4, 128
+    q = randn((T, H, nope + ROPE), "bfloat16")
+    k_pe, kv_c = randn((T, 1, ROPE), "bfloat16"), randn((T, RANK), "bfloat16")
+    slots = np.arange(T, dtype=np.int32)
+
+    def launch(ckv, kpe):
+        plan = plan_mla("mla_rope_and_cache", q[..., :nope], q[..., nope:], None, k_pe,
+                        np.arange(T), rope=dict(cos_sin_cache=deepseek_cache), kv_c=kv_c,
+                        kv_cache=ckv, slot_mapping=slots, kv_scale=0.5, kpe_cache=kpe)
+        outs = [describe(np.empty(x.shape, np_dtype("bfloat16")), "out")
+                for x in (q[..., :nope], q[..., nope:])]
+        return plan_mla_launch(plan, [*outs, None, describe(np.empty_like(k_pe), "out")])
+
+    ckv, kpe = _split_caches("bfloat16", 3, 4, "float8_e4m3fn", False)
+    spec, p = launch(ckv, kpe)
+    assert spec.vector
+    assert int(p["kv_cache"]) == ckv.ctypes.data and int(p["kpe_cache"]) == kpe.ctypes.data
+    assert (int(p["cache_block_stride"]), int(p["cache_row_stride"])) == (4 * RANK, RANK)
+    assert (int(p["kpe_block_stride"]), int(p["kpe_row_stride"])) == (4 * ROPE, ROPE)
+    assert (int(p["num_slots"]), int(p["block_size"]), int(p["rank"])) == (12, 4, RANK)
+    wide = np.full((3, 4, ROPE + 1), POISON, np.float32).astype(np_dtype("float8_e4m3fn"))
+    assert not launch(ckv, wide[..., :ROPE])[0].vector  # rows 65 entries apart
+
+
+@pytest.mark.parametrize("fmt", [None, "float8_e4m3fn"])
+def test_torch_compile_traces_two_caches(rng, randn, deepseek_cache, fmt):
+    """torch.compile (fullgraph) with kpe_cache: both caches written through the operator's
+    declared mutations, the same bits as the eager call."""
+    torch = pytest.importorskip("torch")
+    T, H, nope = 6, 4, 128
+    q = torch.from_numpy(randn((T, H, nope + ROPE), "float32")).bfloat16()
+    k_pe = torch.from_numpy(randn((T, ROPE), "float32")).bfloat16()
+    kv_c = torch.from_numpy(randn((T, RANK), "float32")).bfloat16()
+    positions = torch.from_numpy(rng.integers(0, MAX_POSITION, T))
+    slots = torch.tensor([3, -1, 0, 7, 5, 6])
+    table = torch.from_numpy(deepseek_cache)
+    options = {} if fmt is None else dict(out_dtype=fmt, q_scale=0.5)
+
+    def step(q, k_pe, kv_c, positions, ckv, kpe, slots):
+        q_out, k_out, _ = cr.mla_rope_and_cache(q, k_pe, kv_c, positions, ckv, slots,
+                                                cos_sin_cache=table, kpe_cache=kpe, **options)
+        return q_out, k_out
+
+    caches = [(torch.full((2, 4, RANK), POISON).bfloat16(),
+               torch.full((2, 4, ROPE), POISON).bfloat16()) for _ in range(2)]
+    eager = step(q, k_pe, kv_c, positions, *caches[0], slots)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    traced = compiled(q, k_pe, kv_c, positions, *caches[1], slots)
+    for a, b in zip((*eager, *caches[0]), (*traced, *caches[1])):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b)
+    for cache in caches[1]:
+        assert not torch.equal(cache, torch.full_like(cache, POISON))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("cache_fmt", [None, "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("kpe_rows", [ROPE, ROPE + 1])  # 16-byte accesses, element-wise kernel
+def test_gpu_two_caches_match_the_joint_cache(rng, randn, deepseek_cache, framework,
+                                              interleaved, cache_fmt, dtype, kpe_rows):
+    """One launch into two caches on the GPU: the same bits as the joint cache's rows (aligned
+    rows: the same vector kernel), within the rope / fp8 bounds of the reference otherwise; rows
+    of skipped slots keep their poison."""
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch has no CUDA here")
+    T, H, nope, blocks, block_size = 37, 16, 128, 16, 4
+    q = randn((T, H, nope + ROPE), dtype)
+    k_pe, kv_c = randn((T, ROPE), dtype), randn((T, RANK), dtype)
+    positions = rng.integers(0, MAX_POSITION, T)
+    slots = rng.permutation(blocks * block_size)[:T].astype(np.int64)
+    slots[[0, 5]] = -1
+    dev = lambda a: _to_device(framework, a)  # noqa: E731
+    options = dict(cos_sin_cache=dev(deepseek_cache), interleaved=interleaved)
+    if cache_fmt is not None:
+        options["kv_scale"] = 0.25
+        if framework == "cupy":
+            options["cache_dtype"] = cache_fmt
+    joint = dev(_poisoned_cache(dtype, blocks, block_size, cache_fmt))
+    ckv_host, _ = _split_caches(dtype, blocks, block_size, cache_fmt, False)
+    kpe_wide = np.full((blocks, block_size, kpe_rows), POISON, np.float32).astype(
+        np_dtype(cache_fmt or dtype))
+    ckv, kpe_d = dev(ckv_host), dev(kpe_wide)
+    kpe = kpe_d[..., :ROPE]
+    args = (dev(q), dev(k_pe), dev(kv_c), dev(positions))
+    expected = cr.mla_rope_and_cache(*args, joint, dev(slots), **options)
+    got = cr.mla_rope_and_cache(*args, ckv, dev(slots), kpe_cache=kpe, **options)
+    joint_host = _to_host(joint, cache_fmt)
+    ckv_got, kpe_got = _to_host(ckv, cache_fmt), _to_host(kpe_d, cache_fmt)
+    assert_bits_equal(ckv_got.view(np.uint8), np.ascontiguousarray(
+        joint_host[..., :RANK]).view(np.uint8), what="kv_cache")
+    if kpe_rows > ROPE:
+        assert (kpe_got[..., ROPE:].astype(np.float32) == POISON).all(), "past kpe_cache's rows"
+    kpe_got = np.ascontiguousarray(kpe_got[..., :ROPE])
+    written = slots >= 0
+    b, r = slots[written] // block_size, slots[written] % block_size
+    untouched = np.ones((blocks, block_size), bool)
+    untouched[b, r] = False
+    assert (kpe_got[untouched].astype(np.float32) == POISON).all(), "rows of skipped slots"
+    if kpe_rows == ROPE:
+        assert_bits_equal(kpe_got.view(np.uint8), np.ascontiguousarray(
+            joint_host[..., RANK:]).view(np.uint8), what="kpe_cache")
+        for g, e in zip(got[:2], expected[:2]):
+            assert_bits_equal(_to_host(g), _to_host(e), what="q / k_pe outputs")
+    k_exact = exact_rope(k_pe[:, None, :], positions, deepseek_cache, interleaved)[written]
+    if cache_fmt is None:
+        assert_rope_close(kpe_got[b, r][:, None], k_exact, k_pe[written][:, None],
+                          interleaved=interleaved, rotary_dim=ROPE)
+    else:
+        assert_fp8_close(kpe_got[b, r], k_exact[:, 0] / 0.25, "kpe_cache rows")

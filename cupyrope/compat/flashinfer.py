@@ -4,7 +4,7 @@ parts, one launch when each rope part is followed by its nope part in memory; an
 rotations, each one cupyrope launch: ``apply_rope`` / ``apply_llama31_rope`` (ragged batches),
 their ``_pos_ids`` forms, the ``_inplace`` twins, and ``apply_rope_with_cos_sin_cache``.
 Then ``rope_quantize_fp8_append_paged_kv_cache`` (the same with k and v appended to FlashInfer's
-paged cache, with ``flashinfer.page``'s ``get_seq_lens`` / ``get_batch_indices_positions``) and
+paged cache, or MLA's k_nope / k_rope to its ckv / kpe caches, one launch each, with ``flashinfer.page``'s ``get_seq_lens`` / ``get_batch_indices_positions``) and
 ``fused_qk_rmsnorm_rope`` (``flashinfer.norm``: QK-RMSNorm over all heads and 3D RoPE).
 
 Design notes: docs/architecture.md#compatflashinferpy
@@ -20,6 +20,7 @@ import torch
 # Imported under another name: this module defines FlashInfer's own ``apply_rope``.
 from ..api import apply_rope as cupyrope_apply_rope
 from ..api import rms_norm_rope, rope_and_cache
+from ..mla import mla_rope_and_cache
 from ..mla import mla_rope_quantize as cupyrope_mla_rope_quantize
 from ..core.validators import check_bool, check_real, check_rotary_dim, check_theta, is_integer
 from .te import positions_on_device
@@ -248,8 +249,9 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
                                             quantize_dtype=None, quant_scale_q=1.0,
                                             quant_scale_kv=1.0, page_size=16, kv_layout="NHD",
                                             q_rope_out=None, q_nope_out=None, enable_pdl=False):
-    """FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` for GQA / MHA: RoPE on the rope
-    part of q and k, fp8 of q (returned) and of k and v (appended to FlashInfer's paged cache).
+    """FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache``: RoPE on the rope part of q and
+    k, fp8 of q (returned) and of k and v (appended to FlashInfer's paged cache). GQA / MHA take
+    3-d k parts; MLA a 2-d k_rope (see below).
 
     Parameters
     ----------
@@ -301,18 +303,21 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
     nope head makes the other NaN). Each launch also writes an fp8 k output that is dropped.
     Given ``*_out`` buffers are filled by an fp8 copy of the result.
 
-    MLA (2-d k_rope, ``(ckv_cache, kpe_cache)``) is refused: cupyrope's cache write takes a
-    value shaped like the key.
+    MLA: ``k_rope (nnz, rope_dim)``, ``k_nope (nnz, kv_lora_rank)`` (or None), ``v`` None and
+    ``paged_kv_cache = (ckv_cache (max_pages, page_size, kv_lora_rank), kpe_cache (max_pages,
+    page_size, rope_dim))`` of ``quantize_dtype``; ``kv_layout`` is ignored. k_nope goes to
+    ckv_cache and the rotated k_rope to kpe_cache, both as fp8(value * quant_scale_kv), in the
+    slot of the same page-table rule: one launch of :func:`cupyrope.mla_rope_and_cache` (two
+    caches), which also writes an fp8 k_rope output that is dropped.
     """
     op_name = PAGED
     check_bool(is_neox, "is_neox", op_name)
     check_bool(enable_pdl, "enable_pdl", op_name)
     if require_tensor(k_rope, "k_rope", op_name).dim() == 2:
-        raise ValueError(
-            f"{op_name}: MLA (2-d k_rope with a (ckv_cache, kpe_cache) cache) is not supported: "
-            "cupyrope's cache write stores a value shaped like the key. Call "
-            "compat.mla_rope_quantize_fp8 for the fp8 q and k, then append k_nope / k_rope to "
-            "the ckv / kpe caches (e.g. FlashInfer's append_paged_mla_kv_cache)")
+        return _append_paged_mla(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
+                                 paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions,
+                                 is_neox, quantize_dtype, quant_scale_q, quant_scale_kv,
+                                 page_size, kv_layout, q_rope_out, q_nope_out)
     q_rope, k_rope, q_nope, k_nope = _inputs(q_rope, k_rope, q_nope, k_nope, False, op_name)
     nnz, _, rope_dim = q_rope.shape
     head_dim = rope_dim + q_nope.shape[2]
@@ -359,6 +364,60 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
                                  k_cache[..., rope_dim:], v_cache[..., rope_dim:], slots,
                                  cos_sin_cache=table, rotary_dim=2, **fused)[0]
         results = [q8_rope, q8_nope]
+    _store([results[0], None, results[1], None], [outs[0], None, outs[1], None])
+    return tuple(out if out is not None else result
+                 for out, result in zip((q_rope_out, q_nope_out), results))
+
+
+def _append_paged_mla(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
+                      paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions, is_neox,
+                      quantize_dtype, quant_scale_q, quant_scale_kv, page_size, kv_layout,
+                      q_rope_out, q_nope_out):
+    """The MLA form of :func:`rope_quantize_fp8_append_paged_kv_cache` (2-d k_rope), checked
+    here, then one cupyrope launch."""
+    op_name = PAGED
+    if v is not None:
+        raise ValueError(f"{op_name}: MLA (2-d k_rope) takes no v: k_nope is the latent kept "
+                         "in ckv_cache; pass v=None")
+    q_rope, k_rope, q_nope, k_nope = _inputs(q_rope, k_rope, q_nope, k_nope, True, op_name)
+    nnz, _, rope_dim = q_rope.shape
+    rank = k_nope.shape[2]
+    if tuple(require_tensor(pos_ids, "pos_ids", op_name).shape) != (nnz,):
+        raise ValueError(f"{op_name}: pos_ids must have shape ({nnz},) (one per token), got "
+                         f"{tuple(pos_ids.shape)}")
+    if kv_layout not in KV_LAYOUTS:  # ignored for MLA, but still one of FlashInfer's names
+        raise ValueError(f"{op_name}: kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    page_size = count(page_size, "page_size", op_name, minimum=1)
+    dtype = _quantize_dtype(quantize_dtype, (q_rope_out, q_nope_out), op_name)
+    if (not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2
+            or not all(isinstance(c, torch.Tensor) for c in paged_kv_cache)):
+        raise TypeError(f"{op_name}: paged_kv_cache must be a tuple (ckv_cache, kpe_cache) of "
+                        f"two tensors for MLA, got {type(paged_kv_cache).__name__}")
+    ckv_cache, kpe_cache = paged_kv_cache
+    for cache, name, dim, what in ((ckv_cache, "ckv_cache", rank, "kv_lora_rank"),
+                                   (kpe_cache, "kpe_cache", rope_dim, "rope_dim")):
+        if cache.dtype != dtype:
+            raise TypeError(f"{op_name}: {name} must have quantize_dtype {dtype}, got "
+                            f"{cache.dtype}")
+        if cache.dim() != 3 or cache.shape[1:] != (page_size, dim):
+            raise ValueError(f"{op_name}: {name} must be (max_pages, page_size={page_size}, "
+                             f"{what}={dim}), got shape {tuple(cache.shape)}")
+    if ckv_cache.shape[0] != kpe_cache.shape[0]:
+        raise ValueError(f"{op_name}: ckv_cache and kpe_cache must have the same pages, got "
+                         f"{ckv_cache.shape[0]} and {kpe_cache.shape[0]}")
+    scale_q = _scale(quant_scale_q, "quant_scale_q", op_name)
+    scale_kv = _scale(quant_scale_kv, "quant_scale_kv", op_name)
+    outs = [_out(out, like, name, dtype, False, op_name)
+            for out, like, name in ((q_rope_out, q_rope, "q_rope_out"),
+                                    (q_nope_out, q_nope, "q_nope_out"))]
+    slots = _paged_slots(kv_indices, kv_indptr, batch_indices, positions, page_size, nnz,
+                         q_rope.device, op_name)
+    (q8_nope, q8_rope), _, _ = mla_rope_and_cache(
+        (q_nope, q_rope), k_rope, k_nope[:, 0], pos_ids, ckv_cache, slots,
+        cos_sin_cache=cos_sin_cache, interleaved=not is_neox, out_dtype=dtype,
+        q_scale=_reciprocal(scale_q), k_scale=_reciprocal(scale_kv),
+        kv_scale=_reciprocal(scale_kv), kpe_cache=kpe_cache)
+    results = [q8_rope, q8_nope]
     _store([results[0], None, results[1], None], [outs[0], None, outs[1], None])
     return tuple(out if out is not None else result
                  for out, result in zip((q_rope_out, q_nope_out), results))
@@ -503,8 +562,15 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz, batch_indices=None
 # fused_qk_rmsnorm_rope: QK-RMSNorm over all heads and 3D (frame, height, width) RoPE
 
 NORM_ROPE = "fused_qk_rmsnorm_rope"
+# What FlashInfer's kernel takes (its Python checks raise ValueError for anything else).
+VIDEO_HEAD_DIMS = (64, 128, 256)
+VIDEO_MAX_HEADS = 32
+VIDEO_ELSEWHERE = ("normalise q and k each as one head of H * head_dim with "
+                   "cupyrope.rms_norm_rope, then rotate them with cupyrope.apply_rope (M-RoPE "
+                   "scaling), which take any device, dtype, head_dim, head count and strides")
 
 
+@torch.no_grad()
 def fused_qk_rmsnorm_rope(qkv, q_weight, k_weight, *, ppf, pph, ppw, num_frame_channels,
                           num_height_channels, num_width_channels, num_heads_q, num_heads_k,
                           num_heads_v, head_dim, eps=1e-6, base=10000.0, interleave=True,
@@ -517,11 +583,12 @@ def fused_qk_rmsnorm_rope(qkv, q_weight, k_weight, *, ppf, pph, ppw, num_frame_c
     Parameters
     ----------
     qkv : tensor ``[batch, seq_len, (Hq + Hk + Hv) * head_dim]`` or ``[num_tokens, ...]``
-        bfloat16 (FlashInfer's dtype; float16 and float32 work too, the outputs then have that
-        dtype), q heads then k heads then v heads; any strides with a unit last dim. A 2-d qkv
-        holds ``num_tokens // seq_len`` sequences one after the other. Never written.
-    q_weight, k_weight : tensors of ``num_heads_q * head_dim`` / ``num_heads_k * head_dim``
-        elements: the norm weights over the whole q / k projection (one per element).
+        bfloat16, contiguous, on a CUDA device (FlashInfer's limits), q heads then k heads then
+        v heads. A 2-d qkv holds ``num_tokens // seq_len`` sequences one after the other. Never
+        written.
+    q_weight, k_weight : bfloat16 contiguous tensors of ``num_heads_q * head_dim`` /
+        ``num_heads_k * head_dim`` elements: the norm weights over the whole q / k projection
+        (one per element).
     ppf, pph, ppw : int
         Patches in frame, height and width: ``seq_len = ppf * pph * ppw``, token ``s`` of a
         sequence at frame ``s // (pph * ppw)``, row ``s // ppw % pph``, column ``s % ppw``.
@@ -532,6 +599,7 @@ def fused_qk_rmsnorm_rope(qkv, q_weight, k_weight, *, ppf, pph, ppw, num_frame_c
         the width position, at frequency ``base ** (-2i / C)``, ``i`` its index within its group
         of ``C`` channels.
     num_heads_q, num_heads_k, num_heads_v, head_dim : int
+        head_dim 64, 128 or 256 and at most 32 heads in each part (FlashInfer's limits).
     eps : float
         ``x * rsqrt(mean(x**2) + eps) * weight``, the mean over all heads of q (of k).
     base : float
@@ -548,12 +616,21 @@ def fused_qk_rmsnorm_rope(qkv, q_weight, k_weight, *, ppf, pph, ppw, num_frame_c
         q, k and v outputs as float8_e4m3fn: ``fp8(value * output_quant_scale)`` for q and k,
         ``fp8(v * v_quant_scale)``, saturated.
     q_out, k_out, v_out : tensors, optional
-        ``[batch, seq_len, H, head_dim]`` (3-d qkv) or ``[num_tokens, H, head_dim]``, of the
-        output dtype, any strides with a unit last dim; written and returned.
+        Contiguous ``[batch, seq_len, H, head_dim]`` (3-d qkv) or ``[num_tokens, H, head_dim]``,
+        bfloat16 (float8_e4m3fn with ``output_fp8``); written and returned.
 
     Returns
     -------
     (q_out, k_out, v_out)
+        Never requiring grad: as FlashInfer's kernel, the call is not differentiable and runs
+        under ``torch.no_grad()`` (weights that require grad, e.g. ``nn.RMSNorm``'s, are read).
+
+    Raises
+    ------
+    ValueError
+        Where FlashInfer's checks raise, before anything is launched: bad sizes, and inputs
+        its kernel does not take (CPU tensors, another dtype, another head_dim, more than 32
+        heads, non-contiguous tensors); the message says what to call instead.
 
     Notes
     -----
@@ -561,18 +638,18 @@ def fused_qk_rmsnorm_rope(qkv, q_weight, k_weight, *, ppf, pph, ppw, num_frame_c
     kernel takes one, because cupyrope's norm is per head: :func:`cupyrope.rms_norm_rope`
     normalises q and k seen as one head of ``H * head_dim`` each (one launch for both when
     their head counts agree, else one each), under the exact identity rotation
-    (``x * 1 - y * 0``), rounding to qkv's dtype as FlashInfer's kernel rounds to bfloat16 at
-    that point; then
-    :func:`cupyrope.apply_rope` applies the 3D RoPE as M-RoPE (``mrope_section`` of the three
-    groups' pairs) from a ``[max(ppf, pph, ppw), head_dim]`` float32 table made in float64, at
-    ``[3, seq_len]`` positions; v is copied (``Tensor.copy_``), or quantised by an identity
-    rotation with an fp8 output. The table and positions are made once per device and
-    arguments and kept; a first call inside a CUDA graph capture raises (call once before
-    capturing). Angles come from float64 (FlashInfer: float32 frequencies and fast-math
-    sincos). With ``output_fp8`` the normalised values are rounded to qkv's dtype before the
-    rotation too (FlashInfer keeps float32 there): an error of up to half a bfloat16 ulp of the
-    head's largest value, below the fp8 rounding except where the rotation cancels to a small
-    value; fp8 ``*_out`` buffers given are filled by an fp8 copy.
+    (``x * 1 - y * 0``), rounding to bfloat16 as FlashInfer's kernel does at that point, into
+    q_out and k_out themselves; then :func:`cupyrope.apply_rope` turns them in place by the 3D
+    RoPE as M-RoPE (``mrope_section`` of the three groups' pairs) from a
+    ``[max(ppf, pph, ppw), head_dim]`` float32 table made in float64, at ``[3, seq_len]``
+    positions; v is copied (``Tensor.copy_``). With ``output_fp8`` the norm writes bfloat16
+    intermediates, the rotation new fp8 tensors (given ``*_out`` buffers are then filled by an
+    fp8 copy each) and v is quantised by an identity rotation; FlashInfer keeps the normalised
+    values in float32 there: an error of up to half a bfloat16 ulp of the head's largest value,
+    below the fp8 rounding except where the rotation cancels to a small value. The table and
+    positions are made once per device and arguments and kept; a first call inside a CUDA
+    graph capture raises (call once before capturing). Angles come from float64 (FlashInfer:
+    float32 frequencies and fast-math sincos).
     """
     op_name = NORM_ROPE
     sizes = {name: count(value, name, op_name, minimum=minimum)
@@ -621,45 +698,87 @@ def fused_qk_rmsnorm_rope(qkv, q_weight, k_weight, *, ppf, pph, ppw, num_frame_c
         outs.append(None if out is None else out.view(like.shape))
     scales = [_scale(value, name, op_name) for value, name in (
         (output_quant_scale, "output_quant_scale"), (v_quant_scale, "v_quant_scale"))]
+    _refuse_beyond_flashinfer(qkv, (q_weight, k_weight), (q_out, k_out, v_out), head_dim, heads,
+                              op_name)
     table, positions = _video_rope_table(qkv, head_dim, channels, base, yarn,
                                          (sizes["ppf"], sizes["pph"], sizes["ppw"]), op_name)
-    mrope = {"mrope_section": [c // 2 for c in channels]}
+    rope = dict(cos_sin_cache=table, scaling={"mrope_section": [c // 2 for c in channels]},
+                interleaved=interleave)
 
-    if is_qk_norm:  # over all heads: each part as one head of H * head_dim
-        flat = [x.flatten(-2).unsqueeze(-2) for x in (q, k)]
-        identity, zero = identity_rotation(qkv)
-        norm = dict(eps=eps, cos_sin_cache=identity, rotary_dim=2)
-        if heads[0] == heads[1]:  # q and k in one launch
-            normed = rms_norm_rope(*flat, *weights, zero, **norm)
-        else:  # heads of different widths: one launch each
-            normed = [rms_norm_rope(x, None, w, None, zero, **norm)
-                      for x, w in zip(flat, weights)]
-        q, k = (x.view(like.shape) for x, like in zip(normed, (q, k)))
-    rope = dict(cos_sin_cache=table, scaling=mrope, interleaved=interleave)
     if output_fp8:
+        if is_qk_norm:
+            q, k = _video_norm(q, k, weights, eps, heads)
         scale = _reciprocal(scales[0])
-        results = list(cupyrope_apply_rope(q, k, positions, out_dtype=out_dtype, q_scale=scale,
-                                           k_scale=scale, **rope))
-        results.append(_fp8_copy(v, _reciprocal(scales[1]), out_dtype))
+        results = [*cupyrope_apply_rope(q, k, positions, out_dtype=out_dtype, q_scale=scale,
+                                        k_scale=scale, **rope),
+                   _fp8_copy(v, _reciprocal(scales[1]), out_dtype)]
         for out, result in zip(outs, results):
-            if out is not None:
+            if out is not None:  # the rotation cannot write fp8 into given tensors
                 out.copy_(result)
-    elif outs[0] is not None and outs[1] is not None:
-        results = list(cupyrope_apply_rope(q, k, positions, out=(outs[0], outs[1]), **rope))
-        results.append(None)
     else:
-        results = list(cupyrope_apply_rope(q, k, positions, **rope))
-        results.append(None)
-        for out, result in zip(outs[:2], results):
-            if out is not None:
-                out.copy_(result)
-    if not output_fp8:
-        results[2] = outs[2] if outs[2] is not None else torch.empty_like(
-            v, memory_format=torch.contiguous_format)
+        results = [out if out is not None else torch.empty(like.shape, dtype=out_dtype,
+                                                           device=qkv.device)
+                   for out, like in zip(outs, (q, k, v))]
+        if is_qk_norm:  # the norm writes q_out and k_out, the rotation turns them in place
+            _video_norm(q, k, weights, eps, heads, out=results[:2])
+            cupyrope_apply_rope(results[0], results[1], positions, inplace=True, **rope)
+        else:
+            cupyrope_apply_rope(q, k, positions, out=(results[0], results[1]), **rope)
         results[2].copy_(v)
     given = (q_out, k_out, v_out)
     return tuple(out if out is not None else result.view(_video_out_shape(result, qkv))
                  for out, result in zip(given, results))
+
+
+def _refuse_beyond_flashinfer(qkv, weights, outs, head_dim: int, heads, op_name: str) -> None:
+    """ValueError, as FlashInfer's checks raise it, for what its kernel does not take (the
+    sizes and shapes are checked already): a device other than CUDA, a dtype other than
+    bfloat16, head_dim outside 64 / 128 / 256, more than 32 heads in a part, non-contiguous
+    tensors. Each message names the cupyrope calls that take it."""
+    if head_dim not in VIDEO_HEAD_DIMS:
+        raise ValueError(f"{op_name}: head_dim must be 64, 128, or 256, got {head_dim}; for "
+                         f"another head_dim, {VIDEO_ELSEWHERE}")
+    if max(heads) > VIDEO_MAX_HEADS:
+        raise ValueError(f"{op_name}: max(num_heads_q, num_heads_k, num_heads_v) must be <= "
+                         f"{VIDEO_MAX_HEADS}, got {max(heads)}; for more heads, "
+                         f"{VIDEO_ELSEWHERE}")
+    if qkv.dtype != torch.bfloat16:
+        raise ValueError(f"{op_name}: qkv must be bfloat16, got {qkv.dtype}; for another dtype, "
+                         f"{VIDEO_ELSEWHERE}")
+    if any(w.dtype != torch.bfloat16 for w in weights):
+        raise ValueError(f"{op_name}: q_weight and k_weight must be bfloat16, got "
+                         f"{weights[0].dtype} and {weights[1].dtype}; for other dtypes, "
+                         f"{VIDEO_ELSEWHERE}")
+    named = [("qkv", qkv), ("q_weight", weights[0]), ("k_weight", weights[1]),
+             *((name, out) for name, out in zip(("q_out", "k_out", "v_out"), outs)
+               if out is not None)]
+    for name, x in named:
+        if not x.is_contiguous():
+            raise ValueError(f"{op_name}: {name} must be contiguous, got strides "
+                             f"{tuple(x.stride())}; for strided views, {VIDEO_ELSEWHERE}")
+    if qkv.device.type != "cuda":
+        raise ValueError(f"{op_name}: qkv must be a CUDA tensor, got one on {qkv.device}; on "
+                         f"that device, {VIDEO_ELSEWHERE}")
+
+
+def _video_norm(q, k, weights, eps: float, heads, out=None):
+    """RMSNorm of q and of k (``[..., H, head_dim]``) over all their heads, rounded to the output
+    dtype: each seen as one head of ``H * head_dim`` under the exact identity rotation, one
+    launch for both when their head counts agree. Into ``out`` (q_out, k_out) when given, else
+    new tensors; returns the results shaped as q and k."""
+    flat = [x.flatten(-2).unsqueeze(-2) for x in (q, k)]
+    # view, not flatten: a copy made here would take the results and drop them
+    targets = (None, None) if out is None else [o.view(*o.shape[:-2], 1, o.shape[-2:].numel())
+                                                for o in out]
+    identity, zero = identity_rotation(q)
+    norm = dict(eps=eps, cos_sin_cache=identity, rotary_dim=2)
+    if heads[0] == heads[1]:
+        normed = rms_norm_rope(*flat, *weights, zero, **norm,
+                               out=None if out is None else tuple(targets))
+    else:  # heads of different widths: one launch each
+        normed = [rms_norm_rope(x, None, w, None, zero, **norm, out=target)
+                  for x, w, target in zip(flat, weights, targets)]
+    return [x.view(like.shape) for x, like in zip(normed, (q, k))]
 
 
 def _video_out_shape(result, qkv) -> tuple:

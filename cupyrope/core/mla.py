@@ -7,7 +7,8 @@ pass through; one rotary k head ``k_pe`` is shared by every q head. Each head ma
 The whole head (nope dims and rotated rope dims) is stored once, in the input dtype or as fp8
 ``value / scale``. The latent cache is vLLM's ``concat_and_cache_mla`` layout: one row per slot,
 ``[kv_c (kv_lora_rank) | k_pe rotated (rope_dim)]``, in ``[num_blocks, block_size, kv_lora_rank +
-rope_dim]``.
+rope_dim]``; or FlashInfer's two caches, ``kv_cache [num_blocks, block_size, kv_lora_rank]`` and
+``kpe_cache [num_blocks, block_size, rope_dim]``.
 
 The rotation's arguments (angle source, schedule, pairing, positions) are checked by
 :func:`cupyrope.core.plan.plan_rope` on the rope parts, so the MLA ops take every angle source
@@ -48,6 +49,8 @@ class MlaPlan:
     rotate: bool = True  # False: the cache write alone, unrotated (vLLM's concat_and_cache_mla)
     kv_c: ArrayInfo | None = None  # [T, kv_lora_rank]
     kv_cache: ArrayInfo | None = None  # [num_blocks, block_size, kv_lora_rank + rope_dim]
+    # [num_blocks, block_size, rope_dim] (kv_cache then holds kv_lora_rank); None: joint rows
+    kpe_cache: ArrayInfo | None = None
     slot_mapping: ArrayInfo | None = None
     cache_dtype: str | None = None  # fp8 format of the cache; None: the input dtype
     kv_scale: Scale | None = None
@@ -80,7 +83,7 @@ def check_activation(info: ArrayInfo, name: str, like: ArrayInfo, op_name: str) 
 def plan_mla(op_name: str, q_nope, q_pe, k_nope, k_pe, positions, *, rope: dict,
              out_dtype=None, q_scale=None, k_scale=None, kv_c=None, kv_cache=None,
              slot_mapping=None, cache_dtype=None, kv_scale=None, rotate: bool = True,
-             validate: bool = False) -> MlaPlan:
+             validate: bool = False, kpe_cache=None) -> MlaPlan:
     """Check every argument of an MLA call (the parts as ``[T, heads, dim]`` arrays; ``q_nope``
     and ``k_nope`` may be None) and return its plan, or raise naming the argument, what it must
     be and what it is."""
@@ -126,8 +129,8 @@ def plan_mla(op_name: str, q_nope, q_pe, k_nope, k_pe, positions, *, rope: dict,
         for value, name in ((q_scale, "q_scale"), (k_scale, "k_scale")):
             if value is not None:
                 raise ValueError(f"{op_name}: {name} is only used with an fp8 out_dtype")
-    if kv_cache is not None or kv_c is not None or slot_mapping is not None:
-        _plan_latent_cache(mla, kv_c, kv_cache, slot_mapping, cache_dtype, kv_scale)
+    if any(x is not None for x in (kv_cache, kv_c, slot_mapping, kpe_cache)):
+        _plan_latent_cache(mla, kv_c, kv_cache, slot_mapping, cache_dtype, kv_scale, kpe_cache)
     elif cache_dtype is not None or kv_scale is not None:
         raise ValueError(f"{op_name}: cache_dtype and kv_scale describe kv_cache, which is None")
     if validate:
@@ -138,7 +141,22 @@ def plan_mla(op_name: str, q_nope, q_pe, k_nope, k_pe, positions, *, rope: dict,
     return mla
 
 
-def _plan_latent_cache(mla: MlaPlan, kv_c, kv_cache, slot_mapping, cache_dtype, kv_scale) -> None:
+def _check_cache(info: ArrayInfo, name: str, q: ArrayInfo, op_name: str) -> None:
+    if info.kind != q.kind or info.device != q.device:
+        raise TypeError(f"{op_name}: {name} must be the array type and device of q ({q.kind}, "
+                        f"{q.where()}), got ({info.kind}, {info.where()})")
+
+
+def _check_cache_rows(info: ArrayInfo, name: str, op_name: str) -> None:
+    if info.strides[-1] != 1 and info.shape[-1] > 1:
+        raise ValueError(f"{op_name}: {name}'s last dim must have stride 1, got strides "
+                         f"{info.strides}")
+    if not info.writable:
+        raise ValueError(f"{op_name}: {name} is read-only")
+
+
+def _plan_latent_cache(mla: MlaPlan, kv_c, kv_cache, slot_mapping, cache_dtype, kv_scale,
+                       kpe_cache=None) -> None:
     op_name, q, k_pe = mla.op_name, mla.rope.q, mla.rope.k
     if any(x is None for x in (kv_c, kv_cache, slot_mapping)):
         raise TypeError(f"{op_name}: kv_c, kv_cache and slot_mapping are all required")
@@ -157,17 +175,27 @@ def _plan_latent_cache(mla: MlaPlan, kv_c, kv_cache, slot_mapping, cache_dtype, 
     check_activation(latent, "kv_c", q, op_name)
     rank = latent.shape[1]
     cache = describe(kv_cache, "kv_cache")
-    if cache.kind != q.kind or cache.device != q.device:
-        raise TypeError(f"{op_name}: kv_cache must be the array type and device of q ({q.kind}, "
-                        f"{q.where()}), got ({cache.kind}, {cache.where()})")
-    if cache.ndim != 3 or cache.shape[2] != rank + rope_dim:
-        raise ValueError(f"{op_name}: kv_cache must be [num_blocks, block_size, kv_lora_rank + "
-                         f"rope_dim = {rank} + {rope_dim}], got shape {cache.shape}")
-    if cache.strides[-1] != 1:
-        raise ValueError(f"{op_name}: kv_cache's last dim must have stride 1, got strides "
-                         f"{cache.strides}")
-    if not cache.writable:
-        raise ValueError(f"{op_name}: kv_cache is read-only")
+    _check_cache(cache, "kv_cache", q, op_name)
+    pe_cache = None
+    if kpe_cache is None:
+        if cache.ndim != 3 or cache.shape[2] != rank + rope_dim:
+            raise ValueError(f"{op_name}: kv_cache must be [num_blocks, block_size, kv_lora_rank "
+                             f"+ rope_dim = {rank} + {rope_dim}], got shape {cache.shape}")
+    else:  # two caches: kv_c rows in kv_cache, k_pe rows in kpe_cache
+        if cache.ndim != 3 or cache.shape[2] != rank:
+            raise ValueError(f"{op_name}: with a kpe_cache, kv_cache must be [num_blocks, "
+                             f"block_size, kv_lora_rank = {rank}], got shape {cache.shape}")
+        pe_cache = describe(kpe_cache, "kpe_cache")
+        _check_cache(pe_cache, "kpe_cache", q, op_name)
+        if pe_cache.shape != (*cache.shape[:2], rope_dim):
+            raise ValueError(f"{op_name}: kpe_cache must be [num_blocks, block_size, rope_dim] = "
+                             f"{(*cache.shape[:2], rope_dim)} (kv_cache's blocks), got shape "
+                             f"{pe_cache.shape}")
+        if pe_cache.dtype != cache.dtype:
+            raise TypeError(f"{op_name}: kpe_cache must have kv_cache's dtype {cache.dtype}, got "
+                            f"{pe_cache.dtype}")
+        _check_cache_rows(pe_cache, "kpe_cache", op_name)
+    _check_cache_rows(cache, "kv_cache", op_name)
     named = fp8_name(cache_dtype, "cache_dtype", op_name)
     if cache.dtype in FP8_DTYPES:
         if named is not None and named != cache.dtype:
@@ -188,11 +216,14 @@ def _plan_latent_cache(mla: MlaPlan, kv_c, kv_cache, slot_mapping, cache_dtype, 
         raise ValueError(f"{op_name}: kv_scale is only used with an fp8 kv_cache")
     mla.kv_scale = _scale(kv_scale, "kv_scale", op_name, q)
     slots = check_slot_mapping(slot_mapping, num_tokens, q, op_name)
-    for name, info in (("q", q), ("k_pe", k_pe), ("kv_c", latent), ("slot_mapping", slots)):
-        if shares_memory(cache, info):
-            raise ValueError(f"{op_name}: kv_cache shares memory with {name}; pass arrays that "
-                             "do not overlap")
-    mla.kv_c, mla.kv_cache, mla.slot_mapping = latent, cache, slots
+    operands = [("q", q), ("k_pe", k_pe), ("kv_c", latent), ("slot_mapping", slots)]
+    for cache_name, written in (("kv_cache", cache), ("kpe_cache", pe_cache)):
+        for name, info in operands if written is not None else ():
+            if shares_memory(written, info):
+                raise ValueError(f"{op_name}: {cache_name} shares memory with {name}; pass "
+                                 "arrays that do not overlap")
+        operands.append((cache_name, written))
+    mla.kv_c, mla.kv_cache, mla.slot_mapping, mla.kpe_cache = latent, cache, slots, pe_cache
     mla.num_blocks, mla.block_size = cache.shape[0], cache.shape[1]
 
 
@@ -243,13 +274,18 @@ def mla_on_host(mla: MlaPlan, outputs: list) -> None:
 
 
 def write_latent_cache(mla: MlaPlan, k_pe: np.ndarray) -> None:
-    """``[kv_c | k_pe]`` (float32 k_pe, rotated or not) into the row of each token's slot, stored
-    once in the cache's format; negative slots and slots past the cache write nothing."""
+    """``[kv_c | k_pe]`` (float32 k_pe, rotated or not) into the row of each token's slot (or
+    kv_c and k_pe into the rows of their two caches), stored once in the cache's format;
+    negative slots and slots past the cache write nothing."""
     slots = np.asarray(host_view(mla.slot_mapping)).astype(np.int64)
     valid = (slots >= 0) & (slots < mla.num_blocks * mla.block_size)
     blocks, rows = slots[valid] // mla.block_size, slots[valid] % mla.block_size
     latent = np.asarray(host_view(mla.kv_c))[valid].astype(np.float32)
-    entries = np.concatenate([latent, k_pe[valid]], axis=-1)
     dtype = mla.cache_dtype or mla.rope.q.dtype
-    _put(np.asarray(host_view(mla.kv_cache)), (blocks, rows),
-         store_as(entries, dtype, mla.kv_scale.value))
+    if mla.kpe_cache is None:
+        parts = [(mla.kv_cache, np.concatenate([latent, k_pe[valid]], axis=-1))]
+    else:
+        parts = [(mla.kv_cache, latent), (mla.kpe_cache, k_pe[valid])]
+    for cache, entries in parts:
+        _put(np.asarray(host_view(cache)), (blocks, rows),
+             store_as(entries, dtype, mla.kv_scale.value))

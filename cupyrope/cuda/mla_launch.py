@@ -22,16 +22,16 @@ from .compiler import MlaSpec, get_kernel, is_compiled
 from .launch import FP8_MIN_COMPUTE_CAPABILITY, _compute_capability, device_constants
 
 _POINTERS = ("q_nope", "q_pe", "k_nope", "k_pe", "kv_c", "q_nope_out", "q_pe_out", "k_nope_out",
-             "k_pe_out", "kv_cache", "positions", "slot_mapping", "table", "inv_freq", "q_scale",
-             "k_scale", "kv_scale")
+             "k_pe_out", "kv_cache", "kpe_cache", "positions", "slot_mapping", "table",
+             "inv_freq", "q_scale", "k_scale", "kv_scale")
 _STRIDE_PAIRS = ("q_nope_strides", "q_pe_strides", "k_nope_strides", "k_pe_strides",
                  "q_nope_out_strides", "q_pe_out_strides", "k_nope_out_strides",
                  "k_pe_out_strides")
-_WORDS = ("kv_c_stride", "cache_block_stride", "cache_row_stride", "positions_stride",
-          "slot_stride", "table_row_stride", "table_col_stride", "num_tokens", "num_q_heads",
-          "num_k_heads", "nope_dim", "k_nope_dim", "rope_dim", "rank", "num_slots", "block_size",
-          "max_position", "positions_int64", "slots_int64", "out_format", "cache_format",
-          "rotate")
+_WORDS = ("kv_c_stride", "cache_block_stride", "cache_row_stride", "kpe_block_stride",
+          "kpe_row_stride", "positions_stride", "slot_stride", "table_row_stride",
+          "table_col_stride", "num_tokens", "num_q_heads", "num_k_heads", "nope_dim", "k_nope_dim",
+          "rope_dim", "rank", "num_slots", "block_size", "max_position", "positions_int64",
+          "slots_int64", "out_format", "cache_format", "rotate")
 # The layout of ``cupyrope::MlaParams`` (kernels_cu/mla.cuh), field for field.
 MLA_PARAMS_DTYPE = np.dtype(
     [(name, np.uint64) for name in _POINTERS]
@@ -168,6 +168,11 @@ def plan_mla_launch(plan: MlaPlan, outputs: list[ArrayInfo | None], *,
         p["kv_c"], p["kv_c_stride"] = plan.kv_c.ptr, plan.kv_c.strides[0]
         p["kv_cache"], p["rank"] = plan.kv_cache.ptr, plan.kv_c.shape[-1]
         p["cache_block_stride"], p["cache_row_stride"] = plan.kv_cache.strides[:2]
+        # kpe_cache 0: k_pe goes after kv_c in the joint row, with the joint row's strides.
+        kpe = plan.kv_cache if plan.kpe_cache is None else plan.kpe_cache
+        p["kpe_block_stride"], p["kpe_row_stride"] = kpe.strides[:2]
+        if plan.kpe_cache is not None:
+            p["kpe_cache"] = plan.kpe_cache.ptr
         p["num_slots"] = plan.num_blocks * plan.block_size
         p["block_size"] = plan.block_size
         p["slot_mapping"] = plan.slot_mapping.ptr
@@ -177,7 +182,8 @@ def plan_mla_launch(plan: MlaPlan, outputs: list[ArrayInfo | None], *,
 
     access = 16 // itemsize
     arrays = [(plan.q_nope, itemsize), (rope.q, itemsize), (plan.k_nope, itemsize),
-              (rope.k, itemsize), (plan.kv_c, itemsize), (plan.kv_cache, cache_itemsize)]
+              (rope.k, itemsize), (plan.kv_c, itemsize), (plan.kv_cache, cache_itemsize),
+              (plan.kpe_cache, cache_itemsize)]
     arrays += [(info, out_itemsize) for info in outputs]
     vector = _vector_ok(plan, arrays, access)
     return MlaSpec(rope.q.dtype, table_dtype, vector, rope.interleaved, rope.source), p
@@ -217,5 +223,5 @@ def run_mla(mla, outputs: list) -> None:
         mla_on_host(mla, [None if info is None else host_view(info) for info in outputs])
     written = [info.obj for info in outputs if info is not None]
     if mla.writes_cache:
-        written.append(mla.kv_cache.obj)
+        written += [info.obj for info in (mla.kv_cache, mla.kpe_cache) if info is not None]
     mark_written(*written)

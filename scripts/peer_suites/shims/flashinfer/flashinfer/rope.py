@@ -6,7 +6,7 @@ from cupyrope.compat import (apply_llama31_rope, apply_llama31_rope_inplace,  # 
                              apply_rope, apply_rope_inplace, apply_rope_pos_ids,
                              apply_rope_pos_ids_inplace, apply_rope_with_cos_sin_cache,
                              mla_rope_quantize_fp8, rope_quantize_fp8)
-from peer_shim_support import NoAdapter, module_getattr
+from peer_shim_support import module_getattr
 
 
 def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache,
@@ -22,10 +22,6 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
                                             quantize_dtype=None, quant_scale_q=1.0,
                                             quant_scale_kv=1.0, page_size=16, kv_layout="NHD",
                                             q_rope_out=None, q_nope_out=None, enable_pdl=False):
-    # The adapter refuses MLA by design (its docstring): count those cases as no adapter.
-    if getattr(k_rope, "dim", lambda: 0)() == 2:
-        raise NoAdapter("flashinfer.rope.rope_quantize_fp8_append_paged_kv_cache for MLA "
-                        "(2-d k_rope, (ckv_cache, kpe_cache))")
     return compat.rope_quantize_fp8_append_paged_kv_cache(
         q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
         kv_indptr, batch_indices, positions, is_neox=is_neox, quantize_dtype=quantize_dtype,
