@@ -46,10 +46,13 @@ def _with_specials(x: np.ndarray, dtype: str, rng) -> np.ndarray:
     """``x`` with inf, NaN (payloads included) and -0.0 scattered over it, the first dims of a
     head (the pair a rotation would mix) included."""
     bits_type, bits = SPECIAL_BITS[dtype]
-    flat = x.reshape(-1).view(bits_type)
-    at = rng.choice(flat.size, size=4 * len(bits), replace=False)
-    flat[at] = np.tile(np.array(bits, bits_type), 4)
-    flat[: len(bits)] = np.array(bits, bits_type)  # token 0, head 0: dims 0 and 1 among them
+    # Written through a view of x's own memory: x is a strided view of the projection, where
+    # reshape(-1) would make a copy and leave x as it was.
+    raw = x.view(bits_type)
+    at = np.unravel_index(rng.choice(x.size, size=4 * len(bits), replace=False), x.shape)
+    raw[at] = np.tile(np.array(bits, bits_type), 4)
+    raw[0, 0, : len(bits)] = np.array(bits, bits_type)  # token 0, head 0: dims 0 and 1 among them
+    assert np.isnan(x.astype(np.float32)).any() and np.isinf(x.astype(np.float32)).any()
     return x
 
 
