@@ -24,6 +24,7 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 import cupyrope as cr  # noqa: E402
+from nvrtc_build import compile_entry  # noqa: E402
 from backends import Backend, backend_params, require  # noqa: E402
 from jax_route import assert_within_ulps  # noqa: E402
 from test_fused_mla import DEEPSEEK_V3, assert_fp8_close  # noqa: E402
@@ -335,19 +336,8 @@ def test_native_entry_plans_and_compiles(case, arch):
     source = jax_mla.mla_entry_source(planned, name)
     from cupyrope.cuda import compiler
 
-    program = nvrtc.createProgram(source, "cupyrope_xla_mla.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(program, [*compiler.compile_options("float64"),
-                                           f"--gpu-architecture={arch}",
-                                           "--ptxas-options=--verbose"])
-        except Exception as exc:
-            pytest.fail(f"{case}: NVRTC failed ({exc}):\n{nvrtc.getProgramLog(program)}")
-        log = nvrtc.getProgramLog(program)
-        ptx = nvrtc.getPTX(program)
-    finally:
-        nvrtc.destroyProgram(program)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    log, ptx = compile_entry(nvrtc, source, "cupyrope_xla_mla.cu",
+                             compiler.compile_options("float64"), arch, case)
     entry = re.search(rf"\.entry {name}\((.*?)\)", ptx, re.S)
     assert entry, f"{case}: no entry {name} in the PTX"
     assert entry.group(1).count(".param") == len(planned.buffers) + planned.params.nbytes // 8

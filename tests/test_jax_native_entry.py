@@ -14,6 +14,8 @@ import re
 
 import pytest
 
+from nvrtc_build import compile_entry
+
 jax = pytest.importorskip("jax")
 
 from test_kernel_compile import _FRAME_RE, _nvrtc_or_skip  # noqa: E402
@@ -119,18 +121,7 @@ def test_native_entry_plans_and_compiles(case, arch):
 
     source, options = jax_native.entry_program(spec, block, native.buffers, "float64")
     name = jax_native.kernel_name(spec, block, native.buffers)
-    program = nvrtc.createProgram(source, "cupyrope_xla.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(program, [*options, f"--gpu-architecture={arch}",
-                                           "--ptxas-options=--verbose"])
-        except Exception as exc:
-            pytest.fail(f"{case}: NVRTC failed ({exc}):\n{nvrtc.getProgramLog(program)}")
-        log = nvrtc.getProgramLog(program)
-        ptx = nvrtc.getPTX(program)
-    finally:
-        nvrtc.destroyProgram(program)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    log, ptx = compile_entry(nvrtc, source, "cupyrope_xla.cu", options, arch, case)
     entry = re.search(rf"\.entry {name}\((.*?)\)", ptx, re.S)
     assert entry, f"{case}: no entry {name} in the PTX"
     words = sum(s.dtype.itemsize // 8 for s in (spec.params, spec.fusion_params) if s is not None)

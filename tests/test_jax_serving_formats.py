@@ -26,6 +26,7 @@ jnp = pytest.importorskip("jax.numpy")
 pytest.importorskip("jax.experimental.buffer_callback")
 
 import cupyrope as cr  # noqa: E402
+from nvrtc_build import compile_entry  # noqa: E402
 from backends import Backend, backend_params, require  # noqa: E402
 from jax_route import launches  # noqa: E402
 from reference import reference_rope  # noqa: E402
@@ -491,18 +492,7 @@ def test_native_entry_of_row_scaled_launches_plans_and_compiles(case, arch):
     source, options = native.entry_program(spec, block, launch.buffers, None)
     assert "rope_fused_tokens<" in source and ", true>(rope.p, fusion.p)" in source
     name = native.kernel_name(spec, block, launch.buffers)
-    program = nvrtc.createProgram(source, "cupyrope_xla.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(program, [*options, f"--gpu-architecture={arch}",
-                                           "--ptxas-options=--verbose"])
-        except Exception as exc:
-            pytest.fail(f"{case}: NVRTC failed ({exc}):\n{nvrtc.getProgramLog(program)}")
-        log = nvrtc.getProgramLog(program)
-        ptx = nvrtc.getPTX(program)
-    finally:
-        nvrtc.destroyProgram(program)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    log, ptx = compile_entry(nvrtc, source, "cupyrope_xla.cu", options, arch, case)
     assert re.search(rf"\.entry {name}\(", ptx), f"{case}: no entry {name} in the PTX"
     frames = [tuple(int(g) for g in m.groups()) for m in _FRAME_RE.finditer(log)]
     assert all(f == (0, 0, 0) for f in frames), (case, frames, log[-2000:])
