@@ -393,11 +393,14 @@ def test_gpu_jit_is_one_native_call_and_matches_eager_cupy(rng, randn, deepseek_
     got = jax.jit(call)(*args)
     cupy_q = cupy.asarray(q.view(np.uint16)).view(q.dtype) if dtype == "bfloat16" else (
         cupy.asarray(q))
+    # The eager CuPy call takes its angle table on the GPU too: CuPy calls refuse a host table.
+    eager_options = {**options, **({"cos_sin_cache": cupy.asarray(deepseek_cache)}
+                                   if "cos_sin_cache" in options else {})}
     eager = cr.mla_rope_and_cache(
         cupy_q if joint else (cupy_q[..., :nope], cupy_q[..., nope:]),
         *(cupy.asarray(x.view(np.uint16)).view(x.dtype) if x.dtype == np_dtype("bfloat16")
           else cupy.asarray(x) for x in (k_pe, kv_c)), cupy.asarray(positions),
-        cupy.asarray(cache), cupy.asarray(slots), **options)
+        cupy.asarray(cache), cupy.asarray(slots), **eager_options)
     q_got = got[0] if joint else jnp.concatenate(got[0], axis=-1)
     q_eager = eager[0] if joint else cupy.concatenate(eager[0], axis=-1)
     for a, b, what in ((q_got, q_eager, "q_out"), (got[1], eager[1], "k_pe_out"),

@@ -1,5 +1,5 @@
 """Launch geometry: every head and chunk is covered, decode gives each head its own thread,
-and the lanes are not padded to a power of two. (No GPU needed: the SM count is given.)"""
+and the lanes are not padded to a power of two (but for plain launches in place of uneven lanes). (No GPU needed: the SM count is given.)"""
 
 import numpy as np
 import pytest
@@ -15,13 +15,14 @@ def h200_like(monkeypatch):
     monkeypatch.setattr(launch, "_multiprocessors", lambda device: 132)
 
 
-def _geometry(T, D=128, hq=32, hk=8, rotary_dim=None, dtype="float32", inplace=False):
+def _geometry(T, D=128, hq=32, hk=8, rotary_dim=None, dtype="float32", inplace=False,
+              plain=False):
     q = np.zeros((T, hq, D), dtype=dtype)
     k = np.zeros((T, hk, D), dtype=dtype)
     plan = plan_rope(q, k, rotary_dim=rotary_dim, inplace=inplace)
     access, pairs = access_layout(q.itemsize, True, False)
     copy_pass = not inplace and plan.rotary_dim < D
-    return launch.launch_geometry(plan, access, pairs, copy_pass, num_regs=61), plan
+    return launch.launch_geometry(plan, access, pairs, copy_pass, num_regs=61, plain=plain), plan
 
 
 @pytest.mark.parametrize("T", [1, 7, 32, 512, 4096, 16384, 65536, 1 << 20])
@@ -49,6 +50,23 @@ def test_lanes_match_the_rotary_chunks_exactly():
     # Partial rotary: the rotary chunks set the lanes; the same lanes then copy the rest.
     ((lanes, _, _), _), _ = _geometry(4096, D=128, rotary_dim=64)  # 32 pairs / 4 = 8 chunks
     assert lanes == 8
+
+
+@pytest.mark.parametrize("D,chunks", [(80, 5), (96, 6)])
+def test_plain_launches_of_uneven_lanes_keep_heads_within_a_warp_in_place(D, chunks):
+    """bf16 heads of 80 / 96 dims take 5 / 6 lanes: at most two heads a thread, and in place
+    the lanes padded to 8 so that a warp holds whole heads (launch.UNEVEN_LANES_MAX_HEADS)."""
+    T, heads = 65536, 40
+    for inplace, want_lanes in ((False, chunks), (True, 8)):
+        ((lanes, block_y, tokens), (grid_x, grid_y)), _ = _geometry(
+            T, D=D, dtype="float16", inplace=inplace, plain=True)
+        assert lanes == want_lanes
+        head_lanes = block_y * grid_y
+        assert -(-heads // head_lanes) <= launch.UNEVEN_LANES_MAX_HEADS
+        assert grid_x * tokens >= T and lanes * block_y * tokens <= launch.THREADS_PER_BLOCK
+    # Even lanes (D = 128: 8) keep the wave model's choice, in place or not.
+    assert _geometry(T, D=128, dtype="float16", inplace=True, plain=True)[0] == _geometry(
+        T, D=128, dtype="float16", inplace=True)[0]
 
 
 def test_offsets_past_the_int32_headroom_take_the_64_bit_kernels():

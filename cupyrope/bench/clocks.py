@@ -262,7 +262,10 @@ class CapturedCalls:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: a CUDA call another thread of the process makes meanwhile (JAX's runtime
+        # threads, once a JAX benchmark has run in the same process) must not invalidate the
+        # capture, as it can in the default global mode; this thread's own calls are still checked.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             for args in self.args:
                 fn(*args)
         torch.cuda.synchronize()

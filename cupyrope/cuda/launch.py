@@ -409,12 +409,13 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                         if plan.source == AngleSource.COMPUTED else 0)
         return LaunchSpec(dataclasses.replace(spec, decode=True), decode_struct(p, plan.source),
                           grid, block, shared_bytes, pointers, sin_offset, vector)
-    block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec), multiprocessors)
+    block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec), multiprocessors,
+                                  plain=True)
     shared_bytes = shared_angle_bytes(plan, spec, block)
     if shared_bytes > MAX_SHARED_ANGLE_BYTES:  # never at the usual head sizes; general kernel
         spec = dataclasses.replace(spec, lean=False)
         block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
-                                      multiprocessors)
+                                      multiprocessors, plain=True)
         shared_bytes = 0
     return LaunchSpec(spec, p, grid, block, shared_bytes, pointers, sin_offset, vector)
 
@@ -477,6 +478,12 @@ def _throughput(work: float) -> float:
             return t0 + f * (t1 - t0)
     return points[-1][1]
 MAX_TOKENS_PER_BLOCK = 64
+# Heads per thread of a plain rope launch whose heads take a number of lanes that is not a power
+# of two (launch_geometry's ``plain``). H100, bf16 q [65536, 32, D] k [65536, 8, D] from a cache,
+# % of an SM copy, in place / out of place: D = 80 with 4 heads a thread (the wave model's pick)
+# 73.6 / 87.5, 2 heads 86.2 / 94.0, 2 heads on 8 lanes 91.2 / 90.6; D = 96 83.5 / 93.2, 2 heads
+# 90.5 / 94.6, 2 heads on 8 lanes 93.7 / 90.5. measured: docs/perf_log.md#uneven_lanes_max_heads
+UNEVEN_LANES_MAX_HEADS = 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -494,7 +501,7 @@ def _resident_blocks(threads: int, num_regs: int) -> int:
 
 def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, num_regs: int,
                     multiprocessors: int | None = None, *, extra_heads: int = 0,
-                    power_of_two_lanes: bool = False):
+                    power_of_two_lanes: bool = False, plain: bool = False):
     """(block, grid) for a plan.
 
     x: lanes over the chunks of pairs of a head (out of place, the same lanes then copy the
@@ -504,11 +511,20 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     wave model: the square root of the fraction of the last wave of resident blocks that has work
     (a partial last wave runs faster, so the loss is less than the idle fraction), times the
     measured throughput of the work per thread that many heads make (_THROUGHPUT_BY_WORK).
+
+    ``plain``: the rope kernels' launch (not the fused or re-rotation kernels'), where heads whose
+    chunks are not a power-of-two number of lanes (head_dim 80, 96: 5, 6 lanes) take at most
+    UNEVEN_LANES_MAX_HEADS heads a thread and, in place, lanes rounded up to a power of two, so
+    that no warp holds part of a head whose other part another warp rewrites.
     """
     chunks = (plan.rotary_dim // 2) // pairs
     pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
     # Without rotation (rotary_dim 0: write_cache) the lanes split the copied chunks instead.
     lanes = max(1, min(chunks or pass_chunks, 32))
+    candidates = HEADS_PER_THREAD
+    if plain and lanes & (lanes - 1):
+        candidates = tuple(h for h in HEADS_PER_THREAD if h <= UNEVEN_LANES_MAX_HEADS)
+        power_of_two_lanes = power_of_two_lanes or plan.inplace
     if power_of_two_lanes:  # RMSNorm sums a head over its lanes with warp shuffles (fused.cuh)
         lanes = 1 << (lanes - 1).bit_length()
     # 16-byte accesses per head and thread: both halves (NeoX) or one (interleaved), plus a share
@@ -518,7 +534,7 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     if multiprocessors is None:
         multiprocessors = _multiprocessors(plan.device)
     best = None
-    for heads_per_thread in HEADS_PER_THREAD:
+    for heads_per_thread in candidates:
         throughput = _throughput(heads_per_thread * accesses_per_head / 2)
         head_lanes = -(-num_heads // heads_per_thread)
         grid_y = -(-head_lanes // max(1, THREADS_PER_BLOCK // lanes))
