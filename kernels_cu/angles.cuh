@@ -119,7 +119,11 @@ __device__ __forceinline__ void angle_sincos(Position position, double inv_freq,
 // Table-read angles come without the sign of sin (rotate_store applies it per head, so that the
 // first head's loads overlap this load); computed angles have it folded in. A cache row outside
 // the cache is never read: its pairs get NaN.
-template <int SOURCE, bool LEAN, int P, typename C, typename TableT, typename Index>
+// LEAN: cos/sin rows known to take vector loads. MROPE: M-RoPE possible (p.mrope_mode checked at
+// run time: each pair's position component); the lean rope kernels never see M-RoPE, the lean
+// fused kernel does.
+template <int SOURCE, bool LEAN, int P, bool MROPE = !LEAN, typename C, typename TableT,
+          typename Index>
 __device__ __forceinline__ void chunk_angles(const RopeParams& p, const TokenOffsets<Index>& o,
                                              long long position, Index pair0,
                                              const TableT* __restrict__ cos_table,
@@ -131,7 +135,7 @@ __device__ __forceinline__ void chunk_angles(const RopeParams& p, const TokenOff
     const C factor = static_cast<C>(p.attention_factor);
 #pragma unroll
     for (int i = 0; i < P; ++i) {
-      const long long pos = LEAN ? position : pair_position(p, o.positions, position, pair0 + i);
+      const long long pos = MROPE ? pair_position(p, o.positions, position, pair0 + i) : position;
       // c before s: in this order NVRTC compiles the quadrant switch of accurate_sincos as tightly
       // as in the single-file kernel (declared s, c it costs up to 9 more instructions).
       C c, s;
@@ -147,7 +151,7 @@ __device__ __forceinline__ void chunk_angles(const RopeParams& p, const TokenOff
       cos_row = sin_row =
           row_valid ? static_cast<Index>(position) * static_cast<Index>(p.table_row_stride) : 0;
     }
-    if (SOURCE == kCacheTable && !LEAN && p.mrope_mode) {
+    if (SOURCE == kCacheTable && MROPE && p.mrope_mode) {
       // M-RoPE from a cache: each pair reads the row of its own position component.
 #pragma unroll
       for (int i = 0; i < P; ++i) {

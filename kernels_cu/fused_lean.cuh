@@ -7,8 +7,9 @@
 // 64 registers (4 resident blocks) and each head is one load, one reduction and one store.
 //
 // The common layout (launch.py: fused_lean_applies): 16-byte accesses, 32-bit offsets, one token
-// dim, no M-RoPE, cos/sin rows that take vector loads, every dim rotated (rotary_dim == head_dim),
-// at most 32 lanes a head. Each lane owns one chunk of pairs of every head it visits, as in the
+// dim, cos/sin rows that take vector loads, every dim rotated (rotary_dim == head_dim), at most 32
+// lanes a head. M-RoPE in kernels of its own (MROPE): a lane's angles are found once a token,
+// before the head loop, so reading each pair's position component there costs the heads nothing. Each lane owns one chunk of pairs of every head it visits, as in the
 // rope kernels, so cos/sin are loaded once per token and the lane's norm weights once per head
 // (from L1: no shared memory, no barrier).
 //
@@ -298,7 +299,7 @@ __device__ __forceinline__ void lean_store_v_head(const FusionParams& f, int tok
 }
 
 template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool NORM, bool CACHE,
-          typename W>
+          typename W, bool MROPE>
 __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, const FusionParams& f) {
   using Index = int;  // lean kernels use 32-bit offsets (cache rows stay 64-bit)
   using L = Layout<T, true, INTERLEAVED>;
@@ -355,7 +356,7 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
     }
     float cos_v[P], sin_v[P];
     if (active) {
-      chunk_angles<SOURCE, true>(p, o, position, pair0, cos_table, sin_table,
+      chunk_angles<SOURCE, true, P, MROPE>(p, o, position, pair0, cos_table, sin_table,
                                  static_cast<Index>(p.cos_col_stride),
                                  static_cast<Index>(p.sin_col_stride), true, sin_sign, cos_v,
                                  sin_v);
@@ -438,15 +439,16 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
 
 // The kernel body for the weights' dtype: compiled for the q dtype and for any other dtype;
 // without a norm, once.
-template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool NORM, bool CACHE>
+template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool NORM, bool CACHE,
+          bool MROPE>
 __device__ __forceinline__ void rope_fused_lean_body(const RopeParams& p, const FusionParams& f) {
   if constexpr (NORM) {
     if (f.weight_dtype == WeightDtypeOf<T>::value) {
-      rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, T>(p, f);
+      rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, T, MROPE>(p, f);
       return;
     }
   }
-  rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, RuntimeWeights>(p, f);
+  rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, RuntimeWeights, MROPE>(p, f);
 }
 
 }  // namespace cupyrope

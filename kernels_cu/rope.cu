@@ -271,18 +271,22 @@ struct FusedLeanMinBlocksPerSM {
 };
 
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
-          bool NORM, bool CACHE>
+          bool NORM, bool CACHE, bool MROPE = false>
 __device__ __forceinline__ void rope_fused_lean(const RopeParams& p, const FusionParams& f) {
   static_assert(VECTOR && !WIDE_INDEX, "lean kernels take 16-byte accesses and 32-bit offsets");
-  rope_fused_lean_body<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE>(p, f);
+  rope_fused_lean_body<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, MROPE>(p, f);
 }
 
+// MROPE: positions of M-RoPE (launch.py sets it for plans with mrope_mode), one resident block
+// fewer: the per-pair position components and table rows spilled 24-56 bytes of the 16-bit NeoX
+// kernels at the common kernels' bound on sm_90 (those keep their registers).
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
-          bool NORM, bool CACHE>
+          bool NORM, bool CACHE, bool MROPE = false>
 __global__ __launch_bounds__(kMaxThreadsPerBlock,
-                             FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE, SOURCE>::value)
+                             FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE, SOURCE>::value -
+                                 (MROPE ? 1 : 0))
 void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
-  rope_fused_lean<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, NORM, CACHE>(p, f);
+  rope_fused_lean<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, NORM, CACHE, MROPE>(p, f);
 }
 
 // Re-rotation of cached keys in place (rerotate.cuh): FORMAT is the cache's StoreFormat, T its

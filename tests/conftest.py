@@ -113,3 +113,24 @@ def randn(rng):
         return random_array(rng, shape, dtype)
 
     return make
+
+
+@pytest.fixture
+def launched_kernels(monkeypatch) -> list:
+    """The KernelSpec of every launch the test plans, in order (repeat calls of a layout replay
+    their first launch unplanned: the recipes of earlier tests are forgotten first)."""
+    from cupyrope import execute
+    from cupyrope.cuda import launch
+
+    execute.clear()
+
+    ran = []
+    plan_launch = launch.plan_launch
+
+    def recording(*args, **kwargs):
+        spec = plan_launch(*args, **kwargs)
+        ran.append(spec.kernel)
+        return spec
+
+    monkeypatch.setattr(launch, "plan_launch", recording)
+    return ran

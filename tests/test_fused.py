@@ -65,27 +65,6 @@ def test_rms_norm_rope_matches_the_reference(backend, rng, dtype, source, interl
         _assert_close(got, expected, dtype, f"{backend} {name}")
 
 
-@pytest.fixture
-def launched_kernels(monkeypatch) -> list:
-    """The KernelSpec of every launch the test plans, in order (repeat calls of a layout replay
-    their first launch unplanned: the recipes of earlier tests are forgotten first)."""
-    from cupyrope import execute
-    from cupyrope.cuda import launch
-
-    execute.clear()
-
-    ran = []
-    plan_launch = launch.plan_launch
-
-    def recording(*args, **kwargs):
-        spec = plan_launch(*args, **kwargs)
-        ran.append(spec.kernel)
-        return spec
-
-    monkeypatch.setattr(launch, "plan_launch", recording)
-    return ran
-
-
 @pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
 def test_strided_norm_weights_take_the_general_fused_kernel(backend, rng, launched_kernels):
     """The lean fused kernel reads norm weights 16 bytes at a time; a strided weight view goes

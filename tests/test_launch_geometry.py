@@ -54,16 +54,16 @@ def test_lanes_match_the_rotary_chunks_exactly():
 
 @pytest.mark.parametrize("D,chunks", [(80, 5), (96, 6)])
 def test_plain_launches_of_uneven_lanes_keep_heads_within_a_warp_in_place(D, chunks):
-    """bf16 heads of 80 / 96 dims take 5 / 6 lanes: at most two heads a thread, and in place
-    the lanes padded to 8 so that a warp holds whole heads (launch.UNEVEN_LANES_MAX_HEADS)."""
+    """bf16 heads of 80 / 96 dims take 5 / 6 lanes: in place, the lanes padded to 8 so that a
+    warp holds whole heads, and at most two heads a thread (launch.UNEVEN_LANES_MAX_HEADS); out
+    of place, the wave model's choice."""
     T, heads = 65536, 40
-    for inplace, want_lanes in ((False, chunks), (True, 8)):
-        ((lanes, block_y, tokens), (grid_x, grid_y)), _ = _geometry(
-            T, D=D, dtype="float16", inplace=inplace, plain=True)
-        assert lanes == want_lanes
-        head_lanes = block_y * grid_y
-        assert -(-heads // head_lanes) <= launch.UNEVEN_LANES_MAX_HEADS
-        assert grid_x * tokens >= T and lanes * block_y * tokens <= launch.THREADS_PER_BLOCK
+    ((lanes, block_y, tokens), (grid_x, grid_y)), _ = _geometry(
+        T, D=D, dtype="float16", inplace=True, plain=True)
+    assert lanes == 8 and -(-heads // (block_y * grid_y)) <= launch.UNEVEN_LANES_MAX_HEADS
+    assert grid_x * tokens >= T and lanes * block_y * tokens <= launch.THREADS_PER_BLOCK
+    assert _geometry(T, D=D, dtype="float16", plain=True)[0] == _geometry(T, D=D, dtype="float16")[0]
+    assert _geometry(T, D=D, dtype="float16")[0][0][0] == chunks
     # Even lanes (D = 128: 8) keep the wave model's choice, in place or not.
     assert _geometry(T, D=128, dtype="float16", inplace=True, plain=True)[0] == _geometry(
         T, D=128, dtype="float16", inplace=True)[0]
@@ -113,6 +113,11 @@ def test_lean_fused_kernel_takes_whole_rotated_heads_only():
     for override in ({"vector": False}, {"wide_index": True}, {"token_ndim": 2},
                      {"table_vector_ok": False}):  # as the lean rope kernel
         assert not launch.fused_lean_applies(plan, **{**args, **override})
+    # M-RoPE: the lean fused kernel's own specialisation (the lean rope kernel refuses it).
+    mrope = plan_rope(q, None, np.zeros((3, 16), dtype=np.int64), cos_sin_cache=cache,
+                      scaling={"rope_type": "default", "mrope_section": [16, 24, 24]})
+    assert mrope.mrope_mode and launch.fused_lean_applies(mrope, **args)
+    assert not launch.lean_kernel_applies(mrope, **{k: v for k, v in args.items() if k != "pairs"})
     # Dims past rotary_dim (normalised, quantised or cached with the rest): general kernel.
     partial = plan_rope(q, None, positions, cos_sin_cache=cache[:, :64])
     assert partial.rotary_dim == 64 and not launch.fused_lean_applies(partial, **args)

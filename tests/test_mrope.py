@@ -113,3 +113,75 @@ def test_kernels_match_transformers(model, source, dtype, rng):
     for out, x in ((q_out, q), (k_out, k)):
         assert_rope_close(as_numpy(out), _reference(x, cos, sin), x, interleaved=False,
                           rotary_dim=D, table_dtype=table_dtype)
+
+
+def _rms_normalised(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("source", ["computed", "cache"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("op", ["rms_norm_rope", "rope_and_cache"])
+@pytest.mark.parametrize("kernel", ["numpy", pytest.param("lean", marks=pytest.mark.gpu),
+                                    pytest.param("general", marks=pytest.mark.gpu)])
+def test_fused_ops_match_transformers(model, source, dtype, op, kernel, rng, monkeypatch,
+                                      launched_kernels):
+    """QK-RMSNorm + M-RoPE (+ the paged cache write) in one launch: the NumPy path, the lean fused
+    kernel's M-RoPE specialisation and the general fused kernel, each within one rounding of the
+    output dtype (plus float32 arithmetic) of the float64 norm rotated by transformers' cos/sin."""
+    from cupyrope.cuda import launch
+    from tolerances import as_numpy, np_dtype, unit_roundoff
+
+    if kernel == "numpy":
+        xp = np
+    else:
+        xp = pytest.importorskip("cupy")
+        if not xp.is_available():
+            pytest.skip("needs CuPy and a CUDA GPU")
+    kernels = launched_kernels
+    if kernel == "general":
+        monkeypatch.setattr(launch, "fused_lean_applies", lambda *args, **kwargs: False)
+    q4, k4, positions4 = _inputs(rng, dtype=np_dtype(dtype))
+    T = B * S
+    q, k = q4.reshape(T, HEADS, D) * 3, k4.reshape(T, 1, D) * 3
+    positions = positions4.reshape(3, T)
+    v = rng.standard_normal((T, 1, D)).astype(np_dtype(dtype))
+    weights = {"q": rng.uniform(0.5, 1.5, D).astype(np.float32),
+               "k": rng.uniform(0.5, 1.5, D).astype(np.float32)}
+    gpu = {name: xp.asarray(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    angles = ({"theta": THETA} if source == "computed" else
+              {"cos_sin_cache": cr.cos_sin_cache(4096, D, theta=THETA, like=gpu["q"])})
+    norm = {"q_weight": xp.asarray(weights["q"]), "k_weight": xp.asarray(weights["k"]),
+            "eps": 1e-6}
+    scaling, positions_gpu = MODELS[model][2], xp.asarray(positions)
+    if op == "rms_norm_rope":
+        q_out, k_out = cr.rms_norm_rope(gpu["q"], gpu["k"], norm["q_weight"], norm["k_weight"],
+                                        positions_gpu, eps=1e-6, scaling=scaling, **angles)
+    else:
+        slots = rng.permutation(4 * 16)[:T].astype(np.int64)
+        slots[::7] = -1  # padding tokens: nothing written
+        caches = [xp.zeros((4, 16, 1, D), dtype=gpu["k"].dtype) for _ in range(2)]
+        q_out, k_out, k_cache, v_cache = cr.rope_and_cache(
+            gpu["q"], gpu["k"], gpu["v"], positions_gpu, *caches, xp.asarray(slots),
+            scaling=scaling, inplace=False, **norm, **angles)
+        kept = slots >= 0
+        stored = {name: as_numpy(c).reshape(-1, 1, D)[slots[kept]]
+                  for name, c in (("k", k_cache), ("v", v_cache))}
+        np.testing.assert_array_equal(stored["k"].view(np.uint8),
+                                      as_numpy(k_out)[kept].view(np.uint8))
+        np.testing.assert_array_equal(stored["v"].view(np.uint8), v[kept].view(np.uint8))
+    if kernel != "numpy":
+        (spec,) = kernels
+        assert spec.fused and spec.lean is (kernel == "lean") and spec.mrope is (kernel == "lean")
+
+    cos, sin = _hf_cos_sin(model, positions4)
+    for name, x, out in (("q", q, q_out), ("k", k, k_out)):
+        normed = _rms_normalised(x, weights[name], 1e-6).reshape(B, S, -1, D)
+        expected = _reference(normed, cos, sin).reshape(T, -1, D)
+        got = as_numpy(out).astype(np.float64)
+        scale = np.max(np.abs(expected), axis=-1, keepdims=True)
+        bound = scale * (2 * unit_roundoff(dtype) + 64 * 2.0 ** -24)
+        err = np.abs(got - expected)
+        assert np.all(err <= bound), f"{name}: max error {err.max():.3g} over bound {bound.min():.3g}"

@@ -46,6 +46,9 @@ class KernelSpec:
     # rope_fused_rows_kernel: the general fused kernel with stores quantised per row (per-(token,
     # head) fp8 scales, NVFP4 caches: kernels_cu/quantize.cuh)
     rows: bool = False
+    # The lean fused kernel with M-RoPE positions (each pair's position component read once a
+    # token); a flag of its own so that the common kernels keep their registers.
+    mrope: bool = False
 
     @property
     def name_expression(self) -> str:
@@ -57,7 +60,7 @@ class KernelSpec:
                   "rope_lean_kernel" if self.lean else "rope_kernel")
         flags = (self.vector, self.interleaved)
         fusions = (f", {str(self.norm).lower()}, {str(self.cache).lower()}"
-                   if self.fused and self.lean else "")
+                   + (", true" if self.mrope else "") if self.fused and self.lean else "")
         return (
             f"cupyrope::{kernel}<{CUDA_TYPE_NAMES[self.dtype]}, "
             f"{CUDA_TYPE_NAMES[self.table_dtype]}, {', '.join(str(f).lower() for f in flags)}, "
@@ -106,9 +109,12 @@ def _fused_specialisations() -> tuple[KernelSpec, ...]:
     lean = [dataclasses.replace(spec, lean=True, norm=norm, cache=cache)
             for spec in specs if spec.vector and not spec.wide_index
             for norm, cache in itertools.product((False, True), repeat=2)]
+    # M-RoPE positions (a cache or computed angles: M-RoPE takes no per-token tables).
+    mrope = [dataclasses.replace(spec, mrope=True) for spec in lean
+             if spec.source != AngleSource.TOKEN_TABLES]
     # Stores quantised per row: every layout of the general fused kernel.
     rows = [dataclasses.replace(spec, rows=True) for spec in specs]
-    return tuple(specs + lean + rows)
+    return tuple(specs + lean + mrope + rows)
 
 
 FUSED_SPECIALISATIONS: tuple[KernelSpec, ...] = _fused_specialisations()

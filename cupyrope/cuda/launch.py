@@ -87,11 +87,12 @@ def needs_wide_index(plan: RopePlan, outputs: list[ArrayInfo]) -> bool:
 
 
 def lean_kernel_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_ndim: int,
-                        table_vector_ok: bool) -> bool:
+                        table_vector_ok: bool, mrope_ok: bool = False) -> bool:
     """Whether the lean kernel (LEAN in kernels_cu/rope.cu) handles this launch: 16-byte accesses,
-    32-bit offsets, at most one token dim after merging, no M-RoPE, and cos/sin rows (if any) that
-    take vector loads. Everything else runs the general kernel."""
-    return (vector and not wide_index and token_ndim <= 1 and not plan.mrope_mode
+    32-bit offsets, at most one token dim after merging, no M-RoPE (``mrope_ok``: the lean fused
+    kernel reads M-RoPE positions), and cos/sin rows (if any) that take vector loads. Everything
+    else runs the general kernel."""
+    return (vector and not wide_index and token_ndim <= 1 and (mrope_ok or not plan.mrope_mode)
             and (plan.source == AngleSource.COMPUTED or table_vector_ok))
 
 
@@ -385,7 +386,8 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
             _norm_weights_vector_ok(fusion))
         spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
                           wide_index, lean, fused=True, norm=lean and fusion.norm,
-                          cache=lean and fusion.writes_cache, rows=fusion.row_scaled)
+                          cache=lean and fusion.writes_cache, rows=fusion.row_scaled,
+                          mrope=lean and bool(plan.mrope_mode))
         ring = not lean and fused_ring(plan, fusion, vector)
         fusion_params = fusion_struct(plan, fusion, copy_pass)
         fusion_params["ring"] = ring
@@ -478,11 +480,12 @@ def _throughput(work: float) -> float:
             return t0 + f * (t1 - t0)
     return points[-1][1]
 MAX_TOKENS_PER_BLOCK = 64
-# Heads per thread of a plain rope launch whose heads take a number of lanes that is not a power
-# of two (launch_geometry's ``plain``). H100, bf16 q [65536, 32, D] k [65536, 8, D] from a cache,
-# % of an SM copy, in place / out of place: D = 80 with 4 heads a thread (the wave model's pick)
-# 73.6 / 87.5, 2 heads 86.2 / 94.0, 2 heads on 8 lanes 91.2 / 90.6; D = 96 83.5 / 93.2, 2 heads
-# 90.5 / 94.6, 2 heads on 8 lanes 93.7 / 90.5. measured: docs/perf_log.md#uneven_lanes_max_heads
+# Heads per thread of a plain in-place rope launch whose heads take a number of lanes that is not
+# a power of two (launch_geometry's ``plain``), on lanes padded to a power of two. bf16 q
+# [65536, 32, D] k [65536, 8, D] from a cache, % of an SM copy in place, wave model -> this: H100
+# D = 80 76.2 -> 90.2, D = 96 83.2 -> 93.5; H200 70.5 -> 81.2, 79.6 -> 87.2. Out of place keeps
+# the wave model (the cap cost the H200 2-4 points there). measured:
+# docs/perf_log.md#uneven_lanes_max_heads
 UNEVEN_LANES_MAX_HEADS = 2
 
 
@@ -512,19 +515,19 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     (a partial last wave runs faster, so the loss is less than the idle fraction), times the
     measured throughput of the work per thread that many heads make (_THROUGHPUT_BY_WORK).
 
-    ``plain``: the rope kernels' launch (not the fused or re-rotation kernels'), where heads whose
-    chunks are not a power-of-two number of lanes (head_dim 80, 96: 5, 6 lanes) take at most
-    UNEVEN_LANES_MAX_HEADS heads a thread and, in place, lanes rounded up to a power of two, so
-    that no warp holds part of a head whose other part another warp rewrites.
+    ``plain``: the rope kernels' launch (not the fused or re-rotation kernels'), where in place
+    heads whose chunks are not a power-of-two number of lanes (head_dim 80, 96: 5, 6 lanes) take
+    lanes rounded up to a power of two and at most UNEVEN_LANES_MAX_HEADS heads a thread, so that
+    no warp holds part of a head whose other part another warp rewrites.
     """
     chunks = (plan.rotary_dim // 2) // pairs
     pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
     # Without rotation (rotary_dim 0: write_cache) the lanes split the copied chunks instead.
     lanes = max(1, min(chunks or pass_chunks, 32))
     candidates = HEADS_PER_THREAD
-    if plain and lanes & (lanes - 1):
+    if plain and plan.inplace and lanes & (lanes - 1):
         candidates = tuple(h for h in HEADS_PER_THREAD if h <= UNEVEN_LANES_MAX_HEADS)
-        power_of_two_lanes = power_of_two_lanes or plan.inplace
+        power_of_two_lanes = True
     if power_of_two_lanes:  # RMSNorm sums a head over its lanes with warp shuffles (fused.cuh)
         lanes = 1 << (lanes - 1).bit_length()
     # 16-byte accesses per head and thread: both halves (NeoX) or one (interleaved), plus a share
@@ -569,11 +572,11 @@ FUSED_RING_MIN_TOKENS = 4096
 def fused_lean_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_ndim: int,
                        pairs: int, table_vector_ok: bool) -> bool:
     """Whether the lean fused kernel (kernels_cu/fused_lean.cuh) runs this fused launch: the lean
-    layout of the rope kernels, every dim rotated, one chunk of pairs per lane (at most 32 a
+    layout of the rope kernels (M-RoPE included), every dim rotated, one chunk of pairs per lane (at most 32 a
     head) and norm weights that take 16-byte loads. Everything else runs the general fused
     kernel."""
     return (lean_kernel_applies(plan, vector=vector, wide_index=wide_index, token_ndim=token_ndim,
-                                table_vector_ok=table_vector_ok)
+                                table_vector_ok=table_vector_ok, mrope_ok=True)
             and plan.rotary_dim == plan.head_dim and (plan.rotary_dim // 2) // pairs <= 32
             and plan.head_dim % 4 == 0
             and not (plan.fusion is not None and plan.fusion.row_scaled))  # rows: general kernel
