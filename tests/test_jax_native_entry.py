@@ -45,11 +45,11 @@ def _rope(tokens, hq, hk, d, dtype, source, positions=None, **options):
     return plan, avals, [avals["q"], avals["k"]]
 
 
-def _fused(where, tokens, dtype, scaling=None, **fusion):
+def _fused(where, tokens, dtype, scaling=None, rotary_dim=128, **fusion):
     shapes = dict(q=((tokens, 8, 128), dtype), k=((tokens, 2, 128), dtype),
                   positions=((3, tokens) if scaling else (tokens,), "int32"))
     if scaling is None:
-        shapes["cos_sin_cache"] = ((MAX_POSITION, 128), "float32")
+        shapes["cos_sin_cache"] = ((MAX_POSITION, rotary_dim), "float32")
     if where == "rms_norm_rope":
         shapes.update(q_weight=((128,), "float32"), k_weight=((128,), "float32"))
     if where == "rope_and_cache":
@@ -93,11 +93,15 @@ CASES = {
     "fused_fp8": (lambda: _fused("apply_rope", 33, "bfloat16", out_dtype="float8_e4m3fn",
                                  q_scale=0.5, k_scale=0.5), "rope_fused_lean_kernel"),
     "fused_cache": (lambda: _fused("rope_and_cache", 12, "float16"), "rope_fused_lean_kernel"),
-    "fused_general_mrope": (lambda: _fused("rms_norm_rope", 40, "bfloat16", eps=1e-6,
-                                           weight_offset=0.0,
-                                           scaling={"rope_type": "default",
-                                                    "mrope_section": [16, 24, 24]}),
-                            "rope_fused_kernel"),
+    "fused_lean_mrope": (lambda: _fused("rms_norm_rope", 40, "bfloat16", eps=1e-6,
+                                        weight_offset=0.0,
+                                        scaling={"rope_type": "default",
+                                                 "mrope_section": [16, 24, 24]}),
+                         "rope_fused_lean_kernel"),
+    # Dims past rotary_dim, normalised with the rest: the general fused kernel.
+    "fused_general_partial": (lambda: _fused("rms_norm_rope", 40, "bfloat16", eps=1e-6,
+                                             weight_offset=0.0, rotary_dim=64),
+                              "rope_fused_kernel"),
 }
 
 
