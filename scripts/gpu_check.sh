@@ -8,9 +8,9 @@
 # to PYTHONPATH), runs the GPU-relevant test suite in parallel (every test marked gpu, plus the
 # NVRTC compile and ABI tests under this machine's NVRTC; the pure CPU tests are CI's), times the
 # first call of a new process with a cold and with a warm CuPy kernel cache, runs the benchmarks,
-# and prints a summary table last. The exit status is pytest's. On an H100 (16 cores): setup and
-# the kernel cache ~50 s, the suite ~2 min; the benchmarks took 3 min before the shape and serving
-# rows were added and passed 210 s with them, which the torch.compile pre-step is meant to win back.
+# and prints a summary table last. The exit status is pytest's. On an H200 (16 cores, 460923d):
+# setup and the kernel cache 50 s, the suite 128 s, the torch.compile pre-step 64 s, the
+# benchmarks 146 s: 391 s in all (the pre-step run beside the suite slowed it by 90 s instead).
 #
 # Files written to ${OUT:-/tmp} (the device tool returns at most 8): pytest.log, pytest.xml (times),
 # first_call_{cold,warm}.log, and, when they run, bench.log, bench_summary.md, bench.json, sweep/ (table, JSON,
