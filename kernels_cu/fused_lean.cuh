@@ -9,9 +9,10 @@
 // The common layout (launch.py: fused_lean_applies): 16-byte accesses, 32-bit offsets, one token
 // dim, cos/sin rows that take vector loads, every dim rotated (rotary_dim == head_dim), at most 32
 // lanes a head. M-RoPE in kernels of its own (MROPE): a lane's angles are found once a token,
-// before the head loop, so reading each pair's position component there costs the heads nothing. Each lane owns one chunk of pairs of every head it visits, as in the
-// rope kernels, so cos/sin are loaded once per token and the lane's norm weights once per head
-// (from L1: no shared memory, no barrier).
+// before the head loop, so reading each pair's position component there costs the heads nothing.
+// Each lane owns one chunk of pairs of every head it visits, as in the rope kernels, so cos/sin
+// are loaded once per token and the lane's norm weights once per head (from L1: no shared
+// memory, no barrier).
 //
 // With a norm the kernel is bound by instruction issue on fast memory (H200), so a head's work is
 // kept to what the arithmetic needs: chunks held as 32-bit words, the weights' dtype known at

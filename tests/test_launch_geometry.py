@@ -1,5 +1,6 @@
 """Launch geometry: every head and chunk is covered, decode gives each head its own thread,
-and the lanes are not padded to a power of two (but for plain launches in place of uneven lanes). (No GPU needed: the SM count is given.)"""
+and the lanes are not padded to a power of two (but for plain in-place launches of uneven
+lanes). (No GPU needed: the SM count is given.)"""
 
 import numpy as np
 import pytest
@@ -62,7 +63,8 @@ def test_plain_launches_of_uneven_lanes_keep_heads_within_a_warp_in_place(D, chu
         T, D=D, dtype="float16", inplace=True, plain=True)
     assert lanes == 8 and -(-heads // (block_y * grid_y)) <= launch.UNEVEN_LANES_MAX_HEADS
     assert grid_x * tokens >= T and lanes * block_y * tokens <= launch.THREADS_PER_BLOCK
-    assert _geometry(T, D=D, dtype="float16", plain=True)[0] == _geometry(T, D=D, dtype="float16")[0]
+    out_of_place = _geometry(T, D=D, dtype="float16", plain=True)[0]
+    assert out_of_place == _geometry(T, D=D, dtype="float16")[0]
     assert _geometry(T, D=D, dtype="float16")[0][0][0] == chunks
     # Even lanes (D = 128: 8) keep the wave model's choice, in place or not.
     assert _geometry(T, D=128, dtype="float16", inplace=True, plain=True)[0] == _geometry(

@@ -184,4 +184,5 @@ def test_fused_ops_match_transformers(model, source, dtype, op, kernel, rng, mon
         scale = np.max(np.abs(expected), axis=-1, keepdims=True)
         bound = scale * (2 * unit_roundoff(dtype) + 64 * 2.0 ** -24)
         err = np.abs(got - expected)
-        assert np.all(err <= bound), f"{name}: max error {err.max():.3g} over bound {bound.min():.3g}"
+        assert np.all(err <= bound), (f"{name}: max error {err.max():.3g} over bound "
+                                      f"{bound.min():.3g}")

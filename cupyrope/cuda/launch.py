@@ -572,9 +572,9 @@ FUSED_RING_MIN_TOKENS = 4096
 def fused_lean_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_ndim: int,
                        pairs: int, table_vector_ok: bool) -> bool:
     """Whether the lean fused kernel (kernels_cu/fused_lean.cuh) runs this fused launch: the lean
-    layout of the rope kernels (M-RoPE included), every dim rotated, one chunk of pairs per lane (at most 32 a
-    head) and norm weights that take 16-byte loads. Everything else runs the general fused
-    kernel."""
+    layout of the rope kernels (M-RoPE included), every dim rotated, one chunk of pairs per lane
+    (at most 32 a head) and norm weights that take 16-byte loads. Everything else runs the general
+    fused kernel."""
     return (lean_kernel_applies(plan, vector=vector, wide_index=wide_index, token_ndim=token_ndim,
                                 table_vector_ok=table_vector_ok, mrope_ok=True)
             and plan.rotary_dim == plan.head_dim and (plan.rotary_dim // 2) // pairs <= 32
