@@ -9,6 +9,8 @@ calls that had no adapter and the most frequent failure messages.
     python scripts/peer_suites/run.py                       # every file, every case
     python scripts/peer_suites/run.py --max-cases 800 -n 8 --budget 200
     python scripts/peer_suites/run.py --collect-only        # imports and collection only
+    python scripts/peer_suites/run.py --shard 0/3 --save s0.json   # a third of every file ...
+    python scripts/peer_suites/run.py --merge s0.json s1.json s2.json   # ... the thirds summed
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ def run_file(entry: dict, args, workdir: Path, deadline: float | None) -> dict:
     extra = ["--peer-results", str(results_path)]
     if args.max_cases:
         extra += ["--peer-max-cases", str(args.max_cases), "--peer-seed", str(args.seed)]
+    if args.shard:
+        extra += ["--peer-shard", args.shard]
     if args.workers:
         extra += ["-n", str(args.workers)]
     if deadline:
@@ -190,6 +194,32 @@ def print_tables(rows: list[dict], args) -> None:
                 print(f"  failure     {Path(row['path']).name}: {n} x {message}")
 
 
+def save_rows(rows: list[dict], path: Path) -> None:
+    """The rows of a run as JSON, for --merge."""
+    path.write_text(json.dumps([{**row, "counts": dict(row["counts"]),
+                                 "missing": dict(row["missing"]),
+                                 "messages": dict(row["messages"])} for row in rows], indent=1))
+
+
+def merged_rows(paths: list[Path]) -> list[dict]:
+    """The rows of several saved runs (shards of the same files) summed file by file: cases
+    counted, runtimes added; the cases collected are each shard's (the whole file's)."""
+    merged: dict[tuple, dict] = {}
+    for path in paths:
+        for row in json.loads(path.read_text()):
+            key = (row["peer"], row["path"], row["commit"])
+            into = merged.setdefault(key, {"peer": row["peer"], "path": row["path"],
+                                           "commit": row["commit"], "counts": Counter(),
+                                           "missing": Counter(), "messages": Counter(),
+                                           "seconds": 0.0})
+            for name in ("counts", "missing", "messages"):
+                into[name].update(row[name])
+            into["seconds"] += row["seconds"]
+            if "total" in row:
+                into["total"] = row["total"]
+    return list(merged.values())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,12 +243,27 @@ def main(argv=None) -> int:
                         help="seconds per file after which its pytest is killed (0: none)")
     parser.add_argument("--collect-only", action="store_true",
                         help="collect every file through the shims, run nothing")
+    parser.add_argument("--shard", default="",
+                        help="K/N: run the cases whose place in each file's (sampled) collection "
+                             "is K mod N; N runs with K = 0 .. N-1 cover every case once")
+    parser.add_argument("--save", type=Path, default=None,
+                        help="also write the rows of this run here (JSON), for --merge")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="run nothing: sum the rows saved by earlier runs (the shards of "
+                             "the same files) and print their tables")
     parser.add_argument("--messages", type=int, default=5, help="failure messages shown per file")
     parser.add_argument("-v", "--verbose", action="store_true", help="print pytest's output")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args(argv)
     if args.workers in ("0", 0):
         args.workers = ""
+    if args.shard:
+        shard = re.fullmatch(r"(\d+)/([1-9]\d*)", args.shard)
+        if not shard or int(shard[1]) >= int(shard[2]):
+            parser.error(f"--shard takes K/N with 0 <= K < N, got {args.shard!r}")
+    if args.merge:
+        rows = merged_rows(args.merge)
+        return report(rows, args, sum(row["seconds"] for row in rows))
     manifest = json.loads((args.peer_tests / "manifest.json").read_text())
     peers = set(args.peers.split(","))
     wanted = [s for s in args.files.split(",") if s]
@@ -245,14 +290,22 @@ def main(argv=None) -> int:
             print("  " + ", ".join(f"{column} {row['counts'].get(column, 0)}"
                                    for column in COLUMNS) + f"; {row['seconds']:.1f} s",
                   flush=True)
+    if args.save:
+        save_rows(rows, args.save)
+    return report(rows, args, time.perf_counter() - start)
+
+
+def report(rows: list[dict], args, seconds: float) -> int:
+    """The tables and the totals line; the exit status (1 when a case failed or errored)."""
     print_tables(rows, args)
     total = Counter()
     for row in rows:
         total.update(row["counts"])
     print(f"\ntotal: " + ", ".join(f"{column} {total.get(column, 0)}" for column in COLUMNS)
-          + f"; {time.perf_counter() - start:.1f} s"
+          + f"; {seconds:.1f} s"
           + (f" (sampled: at most {args.max_cases} cases per file, seed {args.seed})"
-             if args.max_cases else ""))
+             if args.max_cases else "")
+          + (f" (shard {args.shard})" if args.shard else ""))
     return 1 if total.get("failed") or total.get("errors") else 0
 
 

@@ -21,6 +21,9 @@ def pytest_addoption(parser):
                     help="run at most N cases of the file, a seeded sample spread over its "
                          "test functions in proportion to their sizes (0: all)")
     group.addoption("--peer-seed", type=int, default=0, help="seed of that sample")
+    group.addoption("--peer-shard", default="",
+                    help="K/N: run the cases whose place in the (sampled) collection is K mod N, "
+                         "so that N runs, on one machine or several, cover a file once")
     group.addoption("--peer-results", default=None, help="write each case's outcome here (JSON)")
     group.addoption("--peer-deadline", type=float, default=0,
                     help="skip (as unrun) every case that would start after this time.time()")
@@ -33,8 +36,24 @@ def pytest_collection_modifyitems(config, items):
         with open(results + ".collected", "w") as f:
             f.write(str(len(items)))
     limit = config.getoption("--peer-max-cases")
-    if not limit or len(items) <= limit:
-        return
+    if limit and len(items) > limit:
+        _keep(config, items, _sample(config, items, limit))
+    shard = config.getoption("--peer-shard")
+    if shard:
+        k, n = (int(x) for x in shard.split("/"))
+        _keep(config, items, {item.nodeid for i, item in enumerate(items) if i % n == k})
+
+
+def _keep(config, items, keep) -> None:
+    """Leave in ``items`` the cases whose node ids are in ``keep``, deselecting the others."""
+    deselected = [item for item in items if item.nodeid not in keep]
+    items[:] = [item for item in items if item.nodeid in keep]
+    config.hook.pytest_deselected(items=deselected)
+
+
+def _sample(config, items, limit: int) -> set:
+    """The node ids of a seeded sample of at most ``limit`` cases, spread over the file's test
+    functions in proportion to their sizes."""
     by_function = defaultdict(list)
     for item in items:
         by_function[item.nodeid.split("[")[0]].append(item)
@@ -44,10 +63,7 @@ def pytest_collection_modifyitems(config, items):
         group = by_function[name]
         share = max(1, math.floor(limit * len(group) / len(items)))
         keep.update(item.nodeid for item in rng.sample(group, min(share, len(group))))
-    selected = [item for item in items if item.nodeid in keep]
-    deselected = [item for item in items if item.nodeid not in keep]
-    config.hook.pytest_deselected(items=deselected)
-    items[:] = selected
+    return keep
 
 
 # The runner counts cases skipped with this reason as "unrun".
