@@ -249,25 +249,30 @@ void rope_fused_rows_kernel(const RopeParams p, const FusionParams f) {
 // heads (float16: 4 bytes under NVRTC 13.0; the cache write alone, float16 or bfloat16: 32-72
 // bytes once its chunks are held as words; the bfloat16 norm with the cache write keeps 3), and
 // in float-float builds for sm_89 / sm_90 the computed angles of bfloat16 NeoX heads with the norm
-// or the cache write alone (4-12 bytes).
-template <typename T, bool INTERLEAVED, bool NORM, bool CACHE, int SOURCE>
+// or the cache write alone (4-12 bytes). MROPE (launch.py sets it for plans with mrope_mode): one
+// block fewer again, since the per-pair position components and table rows spilled 24-56 bytes of
+// the 16-bit NeoX kernels at the common kernels' bound on sm_90 (those keep their registers).
+template <typename T, bool INTERLEAVED, bool NORM, bool CACHE, int SOURCE, bool MROPE = false>
 struct FusedLeanMinBlocksPerSM {
   static constexpr int hopper = NORM && (CACHE || (IsHalf<T>::value && !INTERLEAVED)) ? 3 : 4;
   static constexpr bool bfloat16 = sizeof(T) == 2 && !IsHalf<T>::value;
 #if __CUDA_ARCH__ >= 1000
-  static constexpr int value =
+  static constexpr int architecture =
       hopper - (CACHE && !INTERLEAVED && (IsHalf<T>::value || (!NORM && bfloat16)) ? 1 : 0);
 #elif __CUDA_ARCH__ >= 890 && CUPYROPE_ANGLES_FLOAT_FLOAT
-  static constexpr int value =
+  static constexpr int architecture =
       hopper - (SOURCE == kComputedAngles && bfloat16 && !INTERLEAVED && NORM != CACHE ? 1 : 0);
 #else
-  static constexpr int value = hopper;
+  static constexpr int architecture = hopper;
 #endif
+  static constexpr int mrope = MROPE ? 1 : 0;
+  static constexpr int value = architecture - mrope;
   // XLA's native entry (frontends/jax/native.py) rebuilds the parameters from flat arguments,
   // which costs the float16 NeoX cache write 16 bytes of stack at 64 registers on sm_90: one
   // block fewer there, unless the architecture's bound already took it.
   static constexpr int flat_entry =
-      value - (value == hopper && CACHE && !NORM && IsHalf<T>::value && !INTERLEAVED ? 1 : 0);
+      architecture - mrope -
+      (architecture == hopper && CACHE && !NORM && IsHalf<T>::value && !INTERLEAVED ? 1 : 0);
 };
 
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
@@ -277,14 +282,11 @@ __device__ __forceinline__ void rope_fused_lean(const RopeParams& p, const Fusio
   rope_fused_lean_body<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, MROPE>(p, f);
 }
 
-// MROPE: positions of M-RoPE (launch.py sets it for plans with mrope_mode), one resident block
-// fewer: the per-pair position components and table rows spilled 24-56 bytes of the 16-bit NeoX
-// kernels at the common kernels' bound on sm_90 (those keep their registers).
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
           bool NORM, bool CACHE, bool MROPE = false>
 __global__ __launch_bounds__(kMaxThreadsPerBlock,
-                             FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE, SOURCE>::value -
-                                 (MROPE ? 1 : 0))
+                             FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE, SOURCE,
+                                                     MROPE>::value)
 void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
   rope_fused_lean<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, NORM, CACHE, MROPE>(p, f);
 }

@@ -290,10 +290,9 @@ def _body(kernel) -> tuple[str, str]:
     threads = "cupyrope::kMaxThreadsPerBlock"
     if kernel.fused and kernel.lean:
         norm, cache = args[6:8]
-        fewer = " - 1" if kernel.mrope else ""  # as rope_fused_lean_kernel's bound (rope.cu)
         return (f"cupyrope::rope_fused_lean{template}",
                 f"{threads}, cupyrope::FusedLeanMinBlocksPerSM<{t}, {interleaved}, {norm}, "
-                f"{cache}, {source}>::flat_entry{fewer}")
+                f"{cache}, {source}, {str(kernel.mrope).lower()}>::flat_entry")
     if kernel.fused and kernel.rows:  # rope_fused_rows_kernel's body and bounds
         return (f"cupyrope::rope_fused_tokens{template[:-1]}, true>",
                 f"{threads}, {'1' if wide == 'true' else '2'}")
