@@ -151,7 +151,20 @@ __device__ __forceinline__ void chunk_angles(const RopeParams& p, const TokenOff
       cos_row = sin_row =
           row_valid ? static_cast<Index>(position) * static_cast<Index>(p.table_row_stride) : 0;
     }
-    if (SOURCE == kCacheTable && MROPE && p.mrope_mode) {
+    if (SOURCE == kCacheTable && MROPE && LEAN && p.mrope_mode == kMRopeSectioned &&
+        mrope_component(p, pair0) == mrope_component(p, pair0 + (P - 1))) {
+      // Sectioned M-RoPE whose chunk lies in one section (Qwen2-VL's 16 / 24 / 24 pairs, 4 or 8 a
+      // chunk): one position component for the chunk, so its rows load as vectors.
+      const long long pos = pair_position(p, o.positions, position, pair0);
+      if (pos >= 0 && pos < p.max_position) {
+        const Index row = static_cast<Index>(pos) * static_cast<Index>(p.table_row_stride);
+        load_table(cos_v, cos_table + row + pair0 * cos_col_stride, cos_col_stride, true);
+        load_table(sin_v, sin_table + row + pair0 * sin_col_stride, sin_col_stride, true);
+      } else {
+#pragma unroll
+        for (int i = 0; i < P; ++i) cos_v[i] = sin_v[i] = quiet_nan<C>();
+      }
+    } else if (SOURCE == kCacheTable && MROPE && p.mrope_mode) {
       // M-RoPE from a cache: each pair reads the row of its own position component.
 #pragma unroll
       for (int i = 0; i < P; ++i) {
