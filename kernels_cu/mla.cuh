@@ -169,15 +169,17 @@ __device__ __forceinline__ void mla_copy_chunk(const T* in, void* out, long long
 // chunks. `cache`: where the k head's rotated rope part also goes (base nullptr: nowhere).
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, int A, int P>
 __device__ __forceinline__ void mla_part_item(
-    const MlaParams& p, long long item, long long token, long long position,
+    const MlaParams& p, int item, long long token, long long position,
     long long nope_dim, const void* nope, const long long (&nope_strides)[2], void* nope_out,
     const long long (&nope_out_strides)[2], const void* pe, const long long (&pe_strides)[2],
     void* pe_out, const long long (&pe_out_strides)[2], long long format, float inv_scale,
     const MlaTarget& cache) {
-  const long long nope_chunks = nope_out != nullptr ? nope_dim / A : 0;
-  const long long per_head = nope_chunks + (p.rope_dim / 2) / P;
-  const long long head = item / per_head;
-  const long long chunk = item - head * per_head;
+  // A token's items fit 32 bits: the division that splits them into heads is the 32-bit one (a
+  // 64-bit division is a software routine of tens of instructions).
+  const int nope_chunks = nope_out != nullptr ? static_cast<int>(nope_dim) / A : 0;
+  const int per_head = nope_chunks + static_cast<int>(p.rope_dim / 2) / P;
+  const int head = item / per_head;
+  const int chunk = item - head * per_head;
   if (chunk < nope_chunks) {
     const T* in = static_cast<const T*>(nope) + token * nope_strides[0] + head * nope_strides[1];
     mla_copy_chunk<T, VECTOR, A>(in + chunk * A, nope_out,
@@ -185,7 +187,7 @@ __device__ __forceinline__ void mla_part_item(
                                      chunk * A,
                                  format, inv_scale);
   } else {
-    const long long pair0 = (chunk - nope_chunks) * P;
+    const long long pair0 = static_cast<long long>(chunk - nope_chunks) * P;
     float c[P], s[P];
     mla_angles<TableT, SOURCE, P>(p, position, pair0, c, s);
     const T* in = static_cast<const T*>(pe) + token * pe_strides[0] + head * pe_strides[1];
@@ -214,17 +216,23 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
       slot = mla_index(p.slot_mapping, token * p.slot_stride, p.slots_int64 != 0);
       if (slot >= p.num_slots) slot = -1;  // past the cache: skipped, as padding
     }
-    const long long q_items = p.q_pe_out != nullptr
-        ? p.num_q_heads * ((p.q_nope_out != nullptr ? p.nope_dim / A : 0) + half / P) : 0;
-    const long long k_items = p.k_pe_out != nullptr
-        ? p.num_k_heads * ((p.k_nope_out != nullptr ? p.k_nope_dim / A : 0) + half / P) : 0;
+    const int q_items = p.q_pe_out != nullptr
+        ? static_cast<int>(p.num_q_heads * ((p.q_nope_out != nullptr ? p.nope_dim / A : 0) +
+                                            half / P)) : 0;
+    const int k_items = p.k_pe_out != nullptr
+        ? static_cast<int>(p.num_k_heads * ((p.k_nope_out != nullptr ? p.k_nope_dim / A : 0) +
+                                            half / P)) : 0;
     // The cache row: kv_c chunks, then the rotated k_pe, which the k items store there too
     // when they run (k_pe's one head), else cache items of their own. k_pe's row is in a cache
     // of its own (FlashInfer's kpe_cache) or is the joint row's last rope_dim entries (the host
     // then gives the joint row's strides as kpe strides): one code path for both layouts.
     long long row = 0, pe_row = 0;
     if (slot >= 0) {
-      const long long block = slot / p.block_size;
+      // 32-bit division where the cache's slots fit (every cache in practice).
+      const long long block = p.num_slots <= 0x7fffffffLL
+          ? static_cast<long long>(static_cast<unsigned>(slot) /
+                                   static_cast<unsigned>(p.block_size))
+          : slot / p.block_size;
       const long long entry = slot - block * p.block_size;
       row = block * p.cache_block_stride + entry * p.cache_row_stride;
       pe_row = block * p.kpe_block_stride + entry * p.kpe_row_stride;
@@ -233,9 +241,12 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
     const MlaTarget no_cache{nullptr, 0, 0, 0.0f};
     const MlaTarget cache_pe{slot >= 0 ? (joint ? p.kv_cache : p.kpe_cache) : nullptr,
                              pe_row + (joint ? p.rank : 0), p.cache_format, kv_inv};
-    const long long cache_items = slot >= 0 ? p.rank / A + (k_items == 0 ? half / P : 0) : 0;
-    const long long total = q_items + k_items + cache_items;
-    for (long long item = threadIdx.x; item < total; item += blockDim.x) {
+    const int rank_chunks = static_cast<int>(p.rank) / A;
+    const int cache_items = slot >= 0 ? rank_chunks + (k_items == 0 ? static_cast<int>(half) / P : 0)
+                                      : 0;
+    const int total = q_items + k_items + cache_items;
+    for (int item = static_cast<int>(threadIdx.x); item < total;
+         item += static_cast<int>(blockDim.x)) {
       if (item < q_items) {
         mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P>(
             p, item, token, position, p.nope_dim, p.q_nope, p.q_nope_strides, p.q_nope_out,
@@ -247,13 +258,13 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
             p.k_nope_out, p.k_nope_out_strides, p.k_pe, p.k_pe_strides, p.k_pe_out,
             p.k_pe_out_strides, p.out_format, k_inv, cache_pe);
       } else {
-        const long long chunk = item - q_items - k_items;
-        if (chunk < p.rank / A) {
+        const int chunk = item - q_items - k_items;
+        if (chunk < rank_chunks) {
           mla_copy_chunk<T, VECTOR, A>(static_cast<const T*>(p.kv_c) + token * p.kv_c_stride +
                                            chunk * A,
                                        p.kv_cache, row + chunk * A, p.cache_format, kv_inv);
         } else {
-          const long long pair0 = (chunk - p.rank / A) * P;
+          const long long pair0 = static_cast<long long>(chunk - rank_chunks) * P;
           float c[P], s[P];
           mla_angles<TableT, SOURCE, P>(p, position, pair0, c, s);
           mla_rope_chunk<T, VECTOR, INTERLEAVED, P, A>(
@@ -265,10 +276,12 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
   }
 }
 
-// 4 resident blocks (at most 128 registers): without the cap ptxas for sm_120 spilled the
-// element-wise float32 GPT-J kernel.
+// 8 resident blocks of 128 threads (at most 64 registers; no spill on sm_80 / 90 / 100 / 120):
+// each thread keeps one access in flight, so the threads an SM holds are its bytes in flight
+// (4 blocks held 640 threads at the 92-104 registers ptxas took without the tighter cap).
+// cupyrope/frontends/jax/mla.py's native entry takes the same bound.
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE>
-__global__ __launch_bounds__(128, 4) void mla_rope_kernel(const MlaParams p) {
+__global__ __launch_bounds__(128, 8) void mla_rope_kernel(const MlaParams p) {
   mla_rope_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE>(p);
 }
 

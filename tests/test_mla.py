@@ -365,6 +365,32 @@ def test_launch_parameters_describe_the_plan(rng, randn, deepseek_cache):
     assert not launch(q[..., :nope], q[..., nope:], interleaved=False)[0].interleaved
 
 
+def test_launch_refuses_tokens_past_32_bit_items(deepseek_cache):
+    """The kernel counts a token's items in 32 bits: a token of more elements is refused before
+    launch (2^24 heads of broadcast memory: nothing allocated)."""
+    from cupyrope.core.arrays import describe
+    from cupyrope.core.mla import plan_mla
+    from cupyrope.cuda.mla_launch import TOKEN_ELEMENTS_MAX, plan_mla_launch
+
+    heads, nope = 2**24, 128
+    bf16 = np_dtype("bfloat16")
+    one_head = np.zeros(nope + ROPE, bf16)
+    q = np.lib.stride_tricks.as_strided(one_head, (1, heads, nope + ROPE), (0, 0, 2))
+    k_pe, kv_c = np.zeros((1, 1, ROPE), bf16), np.zeros((1, RANK), bf16)
+    plan = plan_mla("mla_rope_and_cache", q[..., :nope], q[..., nope:], None, k_pe, np.arange(1),
+                    rope=dict(cos_sin_cache=deepseek_cache), kv_c=kv_c,
+                    kv_cache=np.zeros((2, 4, RANK + ROPE), bf16),
+                    slot_mapping=np.zeros(1, np.int32))
+    outs = [describe(np.lib.stride_tricks.as_strided(one_head, x.shape, (0, 0, 2)), "out")
+            for x in (q[..., :nope], q[..., nope:])]
+    elements = heads * (nope + ROPE) + ROPE + (RANK + ROPE)
+    assert elements > TOKEN_ELEMENTS_MAX
+    with pytest.raises(ValueError, match=f"one token's q, k and cache row hold {elements} "
+                                         "elements, more than the kernel's 2147483647; split the "
+                                         "heads over several calls"):
+        plan_mla_launch(plan, [*outs, None, describe(np.empty_like(k_pe), "out")])
+
+
 # --- GPU: one launch (kernels_cu/mla.cuh) against the float64 reference and the NumPy path ---
 
 def _to_device(framework: str, host: np.ndarray):

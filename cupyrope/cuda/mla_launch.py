@@ -41,6 +41,7 @@ MLA_PARAMS_DTYPE = np.dtype(
                                        "attention_factor")])
 THREADS = 128  # the kernel's __launch_bounds__
 MAX_BLOCKS = 65535 * 4  # tokens beyond are strided over
+TOKEN_ELEMENTS_MAX = 2**31 - 1  # a token's items are counted in 32 bits
 
 
 def _store_format(dtype: str | None) -> int:
@@ -125,6 +126,16 @@ def plan_mla_launch(plan: MlaPlan, outputs: list[ArrayInfo | None], *,
     the launch, testable anywhere). ``inv_freq_ptr``: the device frequencies of computed
     angles."""
     rope = plan.rope
+    # The kernel splits a token's work into items in 32-bit arithmetic (kernels_cu/mla.cuh).
+    q_nope_dim = 0 if plan.q_nope is None else plan.q_nope.shape[-1]
+    k_nope_dim = 0 if plan.k_nope is None else plan.k_nope.shape[-1]
+    token_elements = (rope.q.shape[1] * (q_nope_dim + rope.rotary_dim)
+                      + rope.k.shape[1] * (k_nope_dim + rope.rotary_dim)
+                      + (plan.kv_c.shape[-1] + rope.rotary_dim if plan.writes_cache else 0))
+    if token_elements > TOKEN_ELEMENTS_MAX:
+        raise ValueError(f"{plan.op_name}: one token's q, k and cache row hold {token_elements} "
+                         f"elements, more than the kernel's {TOKEN_ELEMENTS_MAX}; split the heads "
+                         "over several calls")
     p = np.zeros((), dtype=MLA_PARAMS_DTYPE)
     itemsize = ITEMSIZE[rope.q.dtype]
     out_itemsize = 1 if plan.out_dtype is not None else itemsize
