@@ -454,7 +454,10 @@ def write_cache(k: Array, v: Array, k_cache: Array, v_cache: Array, slot_mapping
     Returns
     -------
     (k_cache, v_cache)
-        The caches given, written in place (CuPy, torch, NumPy; JAX arrays are refused).
+        The caches given, written in place (CuPy, torch, NumPy). JAX arrays and tracers: new
+        caches (XLA writes the slots in place where the caller donates the caches), then the
+        new arrays of the scales the call writes (NVFP4 block scales, per-row cache scales), as
+        :func:`rope_and_cache` returns them on JAX; under ``jax.jit`` one native kernel call.
 
     Notes
     -----
@@ -477,10 +480,6 @@ def write_cache(k: Array, v: Array, k_cache: Array, v_cache: Array, slot_mapping
         # Also checked by the plan; here because the q of the call is a zero-head view of k.
         raise ValueError(f"write_cache: k must be [num_tokens, num_heads, head_dim], got "
                          f"{'shape ' + str(shape) if hasattr(k, 'shape') else type(k).__name__}")
-    if any(type(x).__module__.split(".", 1)[0] in ("jax", "jaxlib")
-           for x in (k, v, k_cache, v_cache, slot_mapping)):
-        raise TypeError("write_cache: JAX arrays are not supported (XLA's own scatter does this "
-                        "write: k_cache.at[blocks, rows].set(k) in jax.numpy)")
     fusion = dict(rotate=False, norm=False, out_dtype=None, q_scale=None, k_scale=k_scale, v=v,
                   k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, layout=layout,
                   v_scale=v_scale, cache_dtype=cache_dtype)
@@ -491,7 +490,8 @@ def write_cache(k: Array, v: Array, k_cache: Array, v_cache: Array, slot_mapping
         "write_cache", k[:, :0], k, None,
         rope=_rope_options(None, None, None, 10000.0, None, False, None, False, False, None),
         fusion=fusion, validate=validate, router=_fused_route)
-    return result[2], result[3]
+    # (q_out, k_out, k_cache, v_cache), then on JAX the new arrays of the scales the call writes.
+    return tuple(result[2:])
 
 
 def rerotate_cache(k_cache: Array, slots: Array, delta: Array | int, *,

@@ -53,3 +53,19 @@ def assert_within_ulps(actual, expected, x, what: str, ulps: float = 1.0) -> Non
     error = np.where(np.isnan(e64), 0.0, np.abs(a64 - e64))
     assert np.all(error <= bound), (f"{what}: {int(np.sum(error > bound))} element(s) apart by "
                                     f"more than the bound, worst {np.max(error / bound):.3g}x")
+
+
+def require_native_gpu():
+    """Skip unless CuPy, JAX's GPU backend and the native kernel call of this jaxlib are all
+    here; returns the CuPy module (the eager calls the native ones are checked against)."""
+    import pytest
+
+    from backends import Backend, require
+
+    cupy = pytest.importorskip("cupy")
+    require(Backend("jax-gpu"))
+    from cupyrope.frontends.jax import native
+
+    if native.unavailable_reason() is not None:
+        pytest.skip(native.unavailable_reason())
+    return cupy

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 
@@ -19,3 +21,22 @@ def compile_entry(nvrtc, source: str, filename: str, options, arch: str, case) -
     finally:
         nvrtc.destroyProgram(program)
     return log, (ptx.decode() if isinstance(ptx, bytes) else ptx)
+
+
+def assert_native_entry_compiles(nvrtc, launch, arch: str, case) -> str:
+    """A planned native JAX launch (``cupyrope.frontends.jax.native.plan_native_launch``): its
+    block whole warps within the shared-memory limit, its entry compiled for ``arch`` with no
+    stack frame or spill. Returns the entry's source."""
+    from cupyrope.frontends.jax import native
+    from test_kernel_compile import _FRAME_RE
+
+    spec, block = launch.spec, launch.block
+    threads = block[0] * block[1] * block[2]
+    assert threads % 32 == 0 and launch.shared_bytes <= 48 * 1024, (case, block)
+    source, options = native.entry_program(spec, block, launch.buffers, None)
+    name = native.kernel_name(spec, block, launch.buffers)
+    log, ptx = compile_entry(nvrtc, source, "cupyrope_xla.cu", options, arch, case)
+    assert re.search(rf"\.entry {name}\(", ptx), f"{case}: no entry {name} in the PTX"
+    frames = [tuple(int(g) for g in m.groups()) for m in _FRAME_RE.finditer(log)]
+    assert all(f == (0, 0, 0) for f in frames), (case, frames, log[-2000:])
+    return source

@@ -241,14 +241,6 @@ def test_bad_input_is_refused_before_anything_is_written(rng, case, error, match
         np.testing.assert_array_equal(x, was)
 
 
-def test_jax_arrays_are_refused():
-    jnp = pytest.importorskip("jax.numpy")
-    k = jnp.zeros((2, 1, 8), jnp.float32)
-    kc = jnp.zeros((1, 2, 1, 8), jnp.float32)
-    with pytest.raises(TypeError, match="write_cache: JAX arrays are not supported"):
-        cr.write_cache(k, k, kc, kc, jnp.arange(2))
-
-
 def test_torch_compile_traces_the_cache_write(rng):
     torch = pytest.importorskip("torch")
     k = torch.from_numpy(rng.standard_normal((5, 2, 16)).astype(np.float32))

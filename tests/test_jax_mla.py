@@ -25,8 +25,8 @@ jnp = pytest.importorskip("jax.numpy")
 
 import cupyrope as cr  # noqa: E402
 from nvrtc_build import compile_entry  # noqa: E402
-from backends import Backend, backend_params, require  # noqa: E402
-from jax_route import assert_within_ulps  # noqa: E402
+from backends import backend_params  # noqa: E402
+from jax_route import assert_within_ulps, require_native_gpu  # noqa: E402
 from test_fused_mla import DEEPSEEK_V3, assert_fp8_close  # noqa: E402
 from test_mla import (MAX_POSITION, POISON, RANK, ROPE, _mla_case, _poisoned_cache,  # noqa: E402
                       check_part, exact_rope)
@@ -357,12 +357,7 @@ def test_native_entry_plans_and_compiles(case, arch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_jit_is_one_native_call_and_matches_eager_cupy(rng, randn, deepseek_cache, joint,
                                                            source, fmt, cache_fmt, dtype):
-    cupy = pytest.importorskip("cupy")
-    require(Backend("jax-gpu"))
-    from cupyrope.frontends.jax import native
-
-    if native.unavailable_reason() is not None:
-        pytest.skip(native.unavailable_reason())
+    cupy = require_native_gpu()
     T, H, nope, blocks, block_size = 33, 16, 128, 8, 8
     q, k_pe, kv_c = randn((T, H, nope + ROPE), dtype), randn((T, ROPE), dtype), randn(
         (T, RANK), dtype)

@@ -56,7 +56,9 @@ def fused(plan: RopePlan, q, k, positions, cache, cos, sin, *, q_weight=None, k_
     scales, in that order). ``scales``: name -> float, a 0-d / one-element float32 array
     (``q_scale``, ``k_scale``, ``v_scale``), or a cache's per-row scale array."""
     f = plan.fusion
-    cos_t, sin_t = cos_sin_per_token(plan, positions, cache, cos, sin)
+    # write_cache rotates nothing (and has no angle source): k goes to the cache as it is.
+    cos_t, sin_t = (cos_sin_per_token(plan, positions, cache, cos, sin) if f.rotate
+                    else (None, None))
     out_dtype = numpy_dtype(f.out_dtype or plan.q.dtype)
     outputs, rotated, row_scales = [], [], {}
     for name, x, weight in (("q", q, q_weight), ("k", k, k_weight)):
@@ -67,7 +69,7 @@ def fused(plan: RopePlan, q, k, positions, cache, cos, sin, *, q_weight=None, k_
             mean = jnp.mean(x * x, axis=-1, keepdims=True)
             rms = jnp.float32(1) / jnp.sqrt(mean + jnp.float32(f.eps))
             x = x * (rms * (jnp.float32(f.weight_offset) + weight.astype(jnp.float32)))
-        y = _rotated(plan, x, cos_t, sin_t)
+        y = _rotated(plan, x, cos_t, sin_t) if f.rotate else x
         rotated.append(y)
         scale = getattr(f, f"{name}_scale")
         if f.out_dtype is not None and scale.rows is not None:  # fp8, a scale a row
@@ -78,8 +80,9 @@ def fused(plan: RopePlan, q, k, positions, cache, cos, sin, *, q_weight=None, k_
     if f.writes_cache:
         cache_format = f.cache_dtype if f.cache_dtype == NVFP4 else numpy_dtype(
             f.cache_dtype or plan.q.dtype)
+        # write_cache stores k as given (its bits, NaN payloads included, in a cache of its dtype).
         caches, cache_scales = _cache_write(
-            f, rotated[1], v.astype(jnp.float32), k_cache, v_cache, slot_mapping, cache_format,
+            f, rotated[1] if f.rotate else k, v, k_cache, v_cache, slot_mapping, cache_format,
             scales, (k_cache_scales, v_cache_scales))
         outputs += caches
         row_scales.update(cache_scales)
@@ -306,6 +309,9 @@ def _nvfp4_quantized(values, global_scale):
     return packed, jax.lax.bitcast_convert_type(scales, jnp.uint8)
 
 
+_BITS_OF_WIDTH = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
 def _cache_write(f, k_rotated, v, k_cache, v_cache, slot_mapping, cache_format, scales,
                  block_scales):
     """([k_cache_new, v_cache_new], {name: new scale array}): rotated k and v stored in the rows
@@ -323,6 +329,17 @@ def _cache_write(f, k_rotated, v, k_cache, v_cache, slot_mapping, cache_format, 
     for name, cache, values, block_scale_array in (
             ("k", k_cache, k_rotated, block_scales[0]), ("v", v_cache, v, block_scales[1])):
         scale, given = getattr(f, f"{name}_scale"), scales.get(f"{name}_scale")
+        if given is None and f.cache_dtype is None and values.dtype == cache_format:
+            # A cache of the values' own dtype: their bits as they are (inf, NaN payloads, -0.0),
+            # as the kernels and the NumPy path store them. Scattered as unsigned integers of
+            # their width: XLA's CPU scatter of bfloat16 / float16 turns a NaN's payload into
+            # the canonical NaN's.
+            bits = _BITS_OF_WIDTH[values.dtype.itemsize]
+            new = at_slots(jax.lax.bitcast_convert_type(cache, bits)).set(
+                jax.lax.bitcast_convert_type(values, bits), mode="drop")
+            written.append(jax.lax.bitcast_convert_type(new, cache.dtype))
+            continue
+        values = values.astype(jnp.float32)
         if f.cache_dtype == NVFP4:  # given: the global scale
             stored, bits = _nvfp4_quantized(values, 1.0 if given is None else given)
             if block_scale_array.dtype != jnp.uint8:
