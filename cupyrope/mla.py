@@ -220,7 +220,8 @@ def mla_rope_and_cache(q: Array | tuple[Array, Array], k_pe: Array, kv_c: Array,
     (q_out, k_pe_out, kv_cache)
         q_out in q's layout (one array or the pair), k_pe_out shaped like k_pe (in place: q and
         k_pe themselves), kv_cache the array given. JAX arrays and tracers: new arrays and a new
-        cache (rows no slot names keep the input's values; the input is unchanged), one kernel
+        cache (rows no slot names keep the input's values; the input is unchanged), with
+        ``kpe_cache`` ``(q_out, k_pe_out, kv_cache, kpe_cache)`` (two new caches), one kernel
         launch under ``jax.jit`` on NVIDIA GPUs; ``inplace=True`` raises TypeError there.
 
     Examples
@@ -237,16 +238,14 @@ def mla_rope_and_cache(q: Array | tuple[Array, Array], k_pe: Array, kv_c: Array,
     True
     """
     jax_mla = _jax_mla(*(q if isinstance(q, (tuple, list)) else (q,)), k_pe, kv_c, positions,
-                       kv_cache, slot_mapping, cos_sin_cache, q_scale, k_scale, kv_scale)
-    if jax_mla is not None:  # functional: new arrays and a new cache
-        if kpe_cache is not None:
-            raise TypeError("mla_rope_and_cache: kpe_cache (two caches) is not supported for "
-                            "JAX arrays; pass one joint kv_cache")
+                       kv_cache, slot_mapping, cos_sin_cache, q_scale, k_scale, kv_scale,
+                       kpe_cache)
+    if jax_mla is not None:  # functional: new arrays and new caches
         return jax_mla.mla_rope_and_cache(
             q, k_pe, kv_c, positions, kv_cache, slot_mapping, cos_sin_cache=cos_sin_cache,
             theta=theta, scaling=scaling, interleaved=interleaved, out_dtype=out_dtype,
             q_scale=q_scale, k_scale=k_scale, kv_scale=kv_scale, cache_dtype=cache_dtype,
-            inplace=inplace, validate=validate, seq_len=seq_len)
+            inplace=inplace, validate=validate, seq_len=seq_len, kpe_cache=kpe_cache)
     op_name = "mla_rope_and_cache"
     k_heads = _token_heads(k_pe, "k_pe", op_name)
     joint = not isinstance(q, (tuple, list))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -53,6 +54,25 @@ def _cache_rows(cache: np.ndarray, slots: np.ndarray, block_size: int):
     return cache[blocks, rows], untouched
 
 
+def _rope_and_cache_case(rng, randn, cache_fmt):
+    """(q, k_pe, kv_c, positions, slots, a poisoned joint cache, its fp8 format or None, the
+    cache options) of 11 bf16 tokens, 4 heads of 128 + 64, two padding slots; ``cache_fmt``
+    None, an fp8 dtype, or "uint8-e5m2" (fp8 bits in a uint8 cache)."""
+    T, H, nope, blocks, block_size = 11, 4, 128, 6, 4
+    q = randn((T, H, nope + ROPE), "bfloat16")
+    k_pe, kv_c = randn((T, ROPE), "bfloat16"), randn((T, RANK), "bfloat16")
+    positions = rng.integers(0, MAX_POSITION, T)
+    slots = rng.permutation(blocks * block_size)[:T].astype(np.int64)
+    slots[[2, 7]] = -1  # padding
+    fp8 = None if cache_fmt is None else cache_fmt.replace("uint8-e5m2", "float8_e5m2")
+    cache = _poisoned_cache("bfloat16", blocks, block_size, fp8)
+    options = {}
+    if cache_fmt == "uint8-e5m2":
+        cache = cache.view(np.uint8)
+        options["cache_dtype"] = "float8_e5m2"
+    return q, k_pe, kv_c, positions, slots, cache, fp8, options
+
+
 @pytest.mark.parametrize("backend", JAX, indirect=True)
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("fmt", [None, "float8_e4m3fn"])
@@ -60,18 +80,9 @@ def _cache_rows(cache: np.ndarray, slots: np.ndarray, block_size: int):
 @pytest.mark.parametrize("joint", [True, False])
 def test_jit_rope_and_cache_matches_the_reference(backend, rng, randn, deepseek_cache,
                                                   interleaved, fmt, cache_fmt, joint):
-    T, H, nope, dtype, blocks, block_size = 11, 4, 128, "bfloat16", 6, 4
-    q = randn((T, H, nope + ROPE), dtype)
-    k_pe, kv_c = randn((T, ROPE), dtype), randn((T, RANK), dtype)
-    positions = rng.integers(0, MAX_POSITION, T)
-    slots = rng.permutation(blocks * block_size)[:T].astype(np.int64)
-    slots[[2, 7]] = -1  # padding
-    fp8_cache = None if cache_fmt is None else cache_fmt.replace("uint8-e5m2", "float8_e5m2")
-    cache = _poisoned_cache(dtype, blocks, block_size, fp8_cache)
-    options = {}
-    if cache_fmt == "uint8-e5m2":
-        cache = cache.view(np.uint8)
-        options["cache_dtype"] = "float8_e5m2"
+    T, H, nope, block_size = 11, 4, 128, 4
+    q, k_pe, kv_c, positions, slots, cache, fp8_cache, options = _rope_and_cache_case(
+        rng, randn, cache_fmt)
     scales = {}
     if fp8_cache is not None:
         scales["kv_scale"] = np.full((1,), 0.125, np.float32)  # traced: read when the call runs
@@ -170,6 +181,54 @@ def test_computed_yarn_angles_match_the_eager_numpy_path(backend, rng, randn, in
     assert_bits_equal(as_numpy(got[0])[..., :nope], eager[0][..., :nope], what="q nope part")
     assert_within_ulps(got[1][:, None], eager[1][:, None], k_pe[:, None], "k_pe")
     assert_within_ulps(got[2], eager[2], eager[2], "cache")
+
+
+@pytest.mark.parametrize("backend", JAX, indirect=True)
+@pytest.mark.parametrize("cache_fmt", [None, "float8_e4m3fn", "uint8-e5m2"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_two_caches_hold_the_joint_rows(backend, rng, randn, deepseek_cache, cache_fmt, jit):
+    """kpe_cache (FlashInfer's ckv / kpe layout): two new caches, which hold, slot for slot, the
+    two parts of the joint cache's rows (the same bits), the arrays given unchanged, and the
+    eager NumPy call's values."""
+    q, k_pe, kv_c, positions, slots, joint, fp8, options = _rope_and_cache_case(
+        rng, randn, cache_fmt)
+    options["cos_sin_cache"] = deepseek_cache
+    if fp8 is not None:
+        options["kv_scale"] = 0.25
+    ckv, kpe = joint[..., :RANK].copy(), joint[..., RANK:].copy()
+    put = backend.put
+    arrays = [put(x) for x in (q, k_pe, kv_c, positions)]
+    ckv_in, kpe_in, joint_in = put(ckv), put(kpe), put(joint)
+
+    def call(q, k_pe, kv_c, positions, cache, slots, kpe_cache=None):
+        return cr.mla_rope_and_cache(q, k_pe, kv_c, positions, cache, slots,
+                                     kpe_cache=kpe_cache, **options)
+
+    run = jax.jit(call) if jit else call
+    two = run(*arrays, ckv_in, put(slots), kpe_in)
+    one = run(*arrays, joint_in, put(slots))
+    assert len(two) == 4 and len(one) == 3
+    for a, b, what in ((two[0], one[0], "q_out"), (two[1], one[1], "k_pe_out")):
+        assert_bits_equal(as_numpy(a), as_numpy(b), what=what)
+    assert_bits_equal(as_numpy(two[2]), as_numpy(one[2])[..., :RANK], what="kv_cache")
+    assert_bits_equal(as_numpy(two[3]), as_numpy(one[2])[..., RANK:], what="kpe_cache")
+    for given, host, what in ((ckv_in, ckv, "kv_cache given"), (kpe_in, kpe, "kpe_cache given")):
+        assert_bits_equal(as_numpy(given), host, what=what)
+    host_ckv, host_kpe = ckv.copy(), kpe.copy()
+    cr.mla_rope_and_cache(q, k_pe, kv_c, positions, host_ckv, slots, kpe_cache=host_kpe,
+                          **options)
+    stored = np.dtype(np_dtype(fp8 or "bfloat16"))
+    # kv_c is stored as given (or times 1 / kv_scale, exact): the NumPy path's bits.
+    assert_bits_equal(as_numpy(two[2]), host_ckv, what="kv_cache against the NumPy path")
+    # k_pe is rotated: XLA contracts the rotation into fused multiply-adds, so within an ulp.
+    got_kpe, host_kpe = as_numpy(two[3]).view(stored), host_kpe.view(stored)
+    if fp8 is None:
+        assert_within_ulps(got_kpe, host_kpe, host_kpe, "kpe_cache against the NumPy path")
+    else:
+        info = ml_dtypes.finfo(stored)
+        np.testing.assert_allclose(got_kpe.astype(np.float64), host_kpe.astype(np.float64),
+                                   rtol=float(info.eps), atol=float(info.smallest_subnormal),
+                                   err_msg="kpe_cache against the NumPy path")
 
 
 def test_concrete_jax_arrays_take_the_functional_form(rng, randn, deepseek_cache):
@@ -300,6 +359,13 @@ NATIVE_CASES = {
         shapes=[((3, 2, 164), "float16"), ((3, 1, 64), "float16"), ((3, 64), "float16"),
                 ((3,), "int32"), ((2, 4, 128), "float16"), ((3,), "int32")],
         out_dtype=None, cache_dtype=None, vector=False),
+    "two_caches_fp8": dict(  # FlashInfer's ckv / kpe caches, both new results
+        names=("q", "k_pe", "kv_c", "positions", "kv_cache", "kpe_cache", "slot_mapping",
+               "cos_sin_cache", "kv_scale"),
+        shapes=[((7, 16, 192), "bfloat16"), ((7, 1, 64), "bfloat16"), ((7, 512), "bfloat16"),
+                ((7,), "int32"), ((4, 16, 512), "uint8"), ((4, 16, 64), "uint8"),
+                ((7,), "int64"), ((4096, 64), "float32"), ((1,), "float32")],
+        out_dtype=None, cache_dtype="float8_e4m3fn", vector=True),
     "quantize_k_nope": dict(
         names=("q_nope", "q_pe", "k_nope", "k_pe", "positions", "cos_sin_cache"),
         shapes=[((9, 4, 128), "bfloat16"), ((9, 4, 64), "bfloat16"), ((9, 2, 32), "bfloat16"),
@@ -327,8 +393,9 @@ def test_native_entry_plans_and_compiles(case, arch):
     planned = jax_mla.plan_native_mla(call, avals, outs, 0)
     assert planned.spec.vector == spec["vector"], planned.spec
     assert len(planned.buffers) == len(names) + (planned.inv_freq is not None) + len(outs)
-    if "kv_cache" in names:
-        assert planned.buffers[-1] == ()  # the new cache: written through the input cache
+    caches = [name for name in ("kv_cache", "kpe_cache") if name in names]
+    if caches:  # the new caches: written through the input caches
+        assert planned.buffers[-len(caches):] == ((),) * len(caches)
     if names[0] == "q":  # q whole: its rope part starts past the nope dims
         nope = avals[0].shape[-1] - 64
         assert planned.buffers[0] == (("q_nope", 0), ("q_pe", nope * avals[0].dtype.itemsize))
@@ -402,3 +469,39 @@ def test_gpu_jit_is_one_native_call_and_matches_eager_cupy(rng, randn, deepseek_
                        (got[2], eager[2], "cache")):
         a, b = as_numpy(a), as_numpy(b)
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_fmt", [None, "float8_e4m3fn"])
+def test_gpu_jit_two_caches_is_one_native_call_and_matches_eager_cupy(rng, randn, deepseek_cache,
+                                                                      cache_fmt):
+    cupy = require_native_gpu()
+    T, H, nope, blocks, block_size, dtype = 33, 16, 128, 8, 8, "bfloat16"
+    q, k_pe, kv_c = randn((T, H, nope + ROPE), dtype), randn((T, ROPE), dtype), randn(
+        (T, RANK), dtype)
+    positions = rng.integers(0, MAX_POSITION, T)
+    slots = rng.permutation(blocks * block_size)[:T].astype(np.int64)
+    slots[3] = -1
+    cache_dtype = np.uint8 if cache_fmt else np_dtype(dtype)
+    ckv = np.zeros((blocks, block_size, RANK), cache_dtype)
+    kpe = np.zeros((blocks, block_size, ROPE), cache_dtype)
+    options = dict(cache_dtype=cache_fmt, kv_scale=0.25) if cache_fmt else {}
+    device = jax.devices("gpu")[0]
+
+    def call(q, k_pe, kv_c, positions, ckv, kpe, slots, table):
+        return cr.mla_rope_and_cache(q, k_pe, kv_c, positions, ckv, slots, kpe_cache=kpe,
+                                     cos_sin_cache=table, **options)
+
+    host = (q, k_pe, kv_c, positions, ckv, kpe, slots, deepseek_cache)
+    args = [jax.device_put(jnp.asarray(x), device) for x in host]
+    text = jax.jit(call).lower(*args).compile().as_text()
+    assert text.count('custom_call_target="triton_kernel_call_ffi"') == 1
+    assert "callback" not in text.lower()
+    got = jax.jit(call)(*args)
+    on_cupy = [cupy.asarray(x.view(np.uint16)).view(x.dtype) if x.dtype == np_dtype("bfloat16")
+               else cupy.asarray(x) for x in host]
+    eager = call(*on_cupy)  # (q_out, k_pe_out, kv_cache); kpe_cache written in place
+    for a, b, what in ((got[0], eager[0], "q_out"), (got[1], eager[1], "k_pe_out"),
+                       (got[2], on_cupy[4], "kv_cache"), (got[3], on_cupy[5], "kpe_cache")):
+        np.testing.assert_array_equal(as_numpy(a).view(np.uint8), as_numpy(b).view(np.uint8),
+                                      err_msg=what)

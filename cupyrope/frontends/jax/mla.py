@@ -29,9 +29,11 @@ from .planning import RotationOptions
 
 # The operands of ``cupyrope_mla``, in the order it takes those present: q whole ([T, H, nope +
 # rope]) or its parts, the k parts ([T, Hk, dim]), the latent [T, rank], positions, the latent
-# cache and slots, the cos/sin cache, one-element fp8 scales.
+# cache (and k_pe's own cache, FlashInfer's layout) and slots, the cos/sin cache, one-element fp8
+# scales.
 OPERANDS = ("q", "q_nope", "q_pe", "k_nope", "k_pe", "kv_c", "positions", "kv_cache",
-            "slot_mapping", "cos_sin_cache", "q_scale", "k_scale", "kv_scale")
+            "kpe_cache", "slot_mapping", "cos_sin_cache", "q_scale", "k_scale", "kv_scale")
+_CACHES = ("kv_cache", "kpe_cache")  # written: the call returns new ones, aliased to these
 _SCALES = ("q_scale", "k_scale", "kv_scale")
 _VALIDATED = ("positions", "slot_mapping")  # what validate=True reads
 
@@ -48,11 +50,11 @@ class MlaCall(NamedTuple):
 
     def results(self) -> tuple[str, ...]:
         """The results, in order: q_out (q whole) or q_nope_out, q_pe_out; k_nope_out,
-        k_pe_out; the new cache."""
+        k_pe_out; the new caches."""
         names = ["q_out"] if "q" in self.names else [
             f"{name}_out" for name in ("q_nope", "q_pe") if name in self.names]
         names += [f"{name}_out" for name in ("k_nope", "k_pe") if name in self.names]
-        return tuple(names + (["kv_cache"] if "kv_cache" in self.names else []))
+        return tuple(names + [name for name in _CACHES if name in self.names])
 
 
 def is_mla_on_jax(*arrays) -> bool:
@@ -86,16 +88,17 @@ def mla_rope_quantize(q_rope, k_rope, q_nope=None, k_nope=None, positions=None, 
 def mla_rope_and_cache(q, k_pe, kv_c, positions, kv_cache, slot_mapping, *, cos_sin_cache=None,
                        theta=10000.0, scaling=None, interleaved=True, out_dtype=None,
                        q_scale=None, k_scale=None, kv_scale=None, cache_dtype=None,
-                       inplace=False, validate=False, seq_len=None):
+                       inplace=False, validate=False, seq_len=None, kpe_cache=None):
     """:func:`cupyrope.mla_rope_and_cache` on JAX, functional: returns ``(q_out, k_pe_out,
-    kv_cache_new)`` (q_out in q's layout: one array or the pair) and changes none of its
-    arguments; rows no slot names keep the input cache's values (XLA writes the slots in place
-    where the caller donates the cache). ``inplace=True`` raises TypeError."""
+    kv_cache_new)`` (q_out in q's layout: one array or the pair), with ``kpe_cache`` ``(q_out,
+    k_pe_out, kv_cache_new, kpe_cache_new)``, and changes none of its arguments; rows no slot
+    names keep the input caches' values (XLA writes the slots in place where the caller donates
+    the caches). ``inplace=True`` raises TypeError."""
     op_name = "mla_rope_and_cache"
     _refuse_inplace(op_name, inplace)
     k_shape = tuple(k_pe.shape)
     k_heads = _with_head_dim(k_pe, "k_pe", op_name)
-    arrays = dict(k_pe=k_heads, positions=positions, kv_cache=kv_cache,
+    arrays = dict(k_pe=k_heads, positions=positions, kv_cache=kv_cache, kpe_cache=kpe_cache,
                   slot_mapping=slot_mapping, cos_sin_cache=cos_sin_cache,
                   kv_c=kv_c.reshape(kv_c.shape[0], kv_c.shape[2])
                   if len(getattr(kv_c, "shape", ())) == 3 and kv_c.shape[1] == 1 else kv_c)
@@ -119,7 +122,8 @@ def mla_rope_and_cache(q, k_pe, kv_c, positions, kv_cache, slot_mapping, *, cos_
                 dict(out_dtype=out_dtype, q_scale=q_scale, k_scale=k_scale, kv_scale=kv_scale,
                      cache_dtype=cache_dtype), validate)
     q_out = outs["q_out"] if joint else (outs["q_nope_out"], outs["q_pe_out"])
-    return q_out, outs["k_pe_out"].reshape(k_shape), outs["kv_cache"]
+    caches = (outs["kv_cache"],) + ((outs["kpe_cache"],) if kpe_cache is not None else ())
+    return (q_out, outs["k_pe_out"].reshape(k_shape), *caches)
 
 
 def _refuse_inplace(op_name: str, inplace) -> None:
@@ -142,7 +146,7 @@ def _with_head_dim(x, name: str, op_name: str):
 def _as_jax(x, name: str, op_name: str):
     if isinstance(x, (jax.Array, jax.core.Tracer)):
         return x
-    if isinstance(x, np.ndarray) and name != "kv_cache":
+    if isinstance(x, np.ndarray) and name not in _CACHES:
         return jnp.asarray(x)
     raise TypeError(f"{op_name}: {name} must be a JAX array when another argument is a JAX "
                     f"array or tracer (the call returns new arrays), got "
@@ -191,7 +195,7 @@ def _info(x, name: str, *, read: bool):
     returns a new one); a one-element scale reads as 1 (the call reads the array); with
     ``read``, positions and slots on the host."""
     info = describe_traced(x, name)
-    if name == "kv_cache":
+    if name in _CACHES:
         info.writable = True
     elif name in _SCALES and info.size == 1:
         info.view = np.ones(info.shape, np.float32)
@@ -221,7 +225,8 @@ def _plan(op_name: str, rotation: RotationOptions, infos: dict, scale_values: di
                     out_dtype=out_dtype, q_scale=scales["q_scale"], k_scale=scales["k_scale"],
                     kv_c=infos.get("kv_c"), kv_cache=infos.get("kv_cache"),
                     slot_mapping=infos.get("slot_mapping"), cache_dtype=cache_dtype,
-                    kv_scale=scales["kv_scale"], validate=validate)
+                    kv_scale=scales["kv_scale"], validate=validate,
+                    kpe_cache=infos.get("kpe_cache"))
 
 
 def _call_plan(call: MlaCall, infos: dict) -> MlaPlan:
@@ -238,7 +243,7 @@ def _abstract_eval(*avals, call: MlaCall):
     out = named["k_pe"].dtype if call.out_dtype is None else numpy_dtype(call.out_dtype)
     results = []
     for name in call.results():
-        if name == "kv_cache":
+        if name in _CACHES:
             results.append(jax.core.ShapedArray(named[name].shape, named[name].dtype))
         else:
             source = named[name.removesuffix("_out")]
@@ -293,8 +298,8 @@ def mla_jnp(*operands, call: MlaCall):
         parts["q_out"] = (jnp.concatenate([parts["q_nope_out"], parts["q_pe_out"]], axis=-1)
                           if "q_nope_out" in parts else parts["q_pe_out"])
     if mla.writes_cache:
-        parts["kv_cache"] = _latent_cache_write(mla, named, rotated["k_pe"][:, 0],
-                                                _scale(named, call, "kv_scale"))
+        parts.update(_latent_cache_write(mla, named, rotated["k_pe"][:, 0],
+                                         _scale(named, call, "kv_scale")))
     return [parts[name] for name in call.results()]
 
 
@@ -303,19 +308,26 @@ def _scale(named: dict, call: MlaCall, name: str):
     return named.get(name, dict(call.scale_values).get(name))
 
 
-def _latent_cache_write(mla: MlaPlan, named: dict, k_pe, kv_scale):
-    """The new cache: ``[kv_c | k_pe]`` stored once in the cache's format in the rows of the
-    valid slots (negative slots and slots past the cache are dropped from the scatter)."""
-    cache = named["kv_cache"]
+def _latent_cache_write(mla: MlaPlan, named: dict, k_pe, kv_scale) -> dict:
+    """The new caches by name: ``[kv_c | k_pe]`` stored once in the cache's format in the rows
+    of the valid slots (negative slots and slots past the cache are dropped from the scatter),
+    or kv_c and k_pe in the rows of their own caches (``kpe_cache``)."""
     slots = named["slot_mapping"].astype(jnp.int32)
     valid = (slots >= 0) & (slots < mla.num_blocks * mla.block_size)
     blocks = jnp.where(valid, slots // mla.block_size, mla.num_blocks)
     rows = jnp.where(valid, slots % mla.block_size, 0)
     entries = jnp.concatenate([named["kv_c"].astype(jnp.float32), k_pe], axis=-1)
     stored = _stored(entries, numpy_dtype(mla.cache_dtype or mla.rope.q.dtype), kv_scale)
-    if cache.dtype == jnp.uint8 and stored.dtype != jnp.uint8:
-        stored = jax.lax.bitcast_convert_type(stored, jnp.uint8)
-    return cache.at[blocks, rows].set(stored, mode="drop")
+    rank = named["kv_c"].shape[-1]
+    parts = {"kv_cache": stored} if "kpe_cache" not in named else {
+        "kv_cache": stored[:, :rank], "kpe_cache": stored[:, rank:]}
+    new = {}
+    for name, values in parts.items():
+        cache = named[name]
+        if cache.dtype == jnp.uint8 and values.dtype != jnp.uint8:
+            values = jax.lax.bitcast_convert_type(values, jnp.uint8)
+        new[name] = cache.at[blocks, rows].set(values, mode="drop")
+    return new
 
 
 def _lower_jnp(ctx, *operands, call: MlaCall):
@@ -394,8 +406,9 @@ def plan_native_mla(call: MlaCall, avals_in, avals_out, device: int) -> NativeMl
     from ...cuda.mla_launch import MAX_BLOCKS, plan_mla_launch
 
     infos = native.planning_infos(avals_in, call.names, device)
-    if "kv_cache" in infos:
-        infos["kv_cache"].writable = True
+    for name in _CACHES:
+        if name in infos:
+            infos[name].writable = True
     for name in _SCALES:
         if name in infos:
             infos[name].view = np.ones(infos[name].shape, np.float32)
@@ -407,7 +420,7 @@ def plan_native_mla(call: MlaCall, avals_in, avals_out, device: int) -> NativeMl
     for index, (name, aval) in enumerate(zip(results, avals_out)):
         info = describe_traced(aval, name)
         info.device, info.ptr = device, native.fake_pointer(len(call.names) + 1 + index)
-        if call.out_dtype is not None and name != "kv_cache":
+        if call.out_dtype is not None and name not in _CACHES:
             info.dtype = call.out_dtype
         out_infos[name] = info
     rope_dim = mla.rope.rotary_dim
@@ -435,11 +448,11 @@ def plan_native_mla(call: MlaCall, avals_in, avals_out, device: int) -> NativeMl
         nope_field, pe_field = _WHOLE[name]
         return ((nope_field, 0), (pe_field, nope_dims * itemsize))
 
-    # XLA's buffers: the operands, the frequencies, then the results; the new cache is aliased
-    # to the input cache and written through it (it sets nothing).
+    # XLA's buffers: the operands, the frequencies, then the results; the new caches are aliased
+    # to the input caches and written through them (they set nothing).
     buffers = [fields(name) for name in call.names]
     buffers += [fields("inv_freq")] if inv_freq is not None else []
-    buffers += [() if name == "kv_cache" else fields(name) for name in results]
+    buffers += [() if name in _CACHES else fields(name) for name in results]
     grid = min(mla.rope.q.shape[0], MAX_BLOCKS)
     return NativeMla(spec, params, grid, tuple(buffers), inv_freq)
 
@@ -512,10 +525,11 @@ def _lower_native(ctx, operands, call: MlaCall):
     device = compiler.current_device()
     planned = plan_native_mla(call, ctx.avals_in, ctx.avals_out, device)
     results = call.results()
-    if planned.grid == 0:  # no token: empty outputs, the input cache, no launch
+    if planned.grid == 0:  # no token: empty outputs, the input caches, no launch
         outs = [mlir.full_like_aval(ctx, 0, aval) for aval in ctx.avals_out]
-        if "kv_cache" in results:
-            outs[-1] = operands[call.names.index("kv_cache")]
+        for name in _CACHES:
+            if name in results:
+                outs[results.index(name)] = operands[call.names.index(name)]
         return outs
     if ((call.out_dtype is not None or call.cache_dtype is not None)
             and _compute_capability(device) < FP8_MIN_COMPUTE_CAPABILITY):
@@ -534,8 +548,8 @@ def _lower_native(ctx, operands, call: MlaCall):
     nodes = list(operands)
     if planned.inv_freq is not None:
         nodes.append(mlir.ir_constant(planned.inv_freq.view(np.uint32)))
-    aliases = ({call.names.index("kv_cache"): results.index("kv_cache")}
-               if "kv_cache" in results else {})
+    aliases = {call.names.index(name): results.index(name) for name in _CACHES
+               if name in results}
     return native.kernel_call(ctx, nodes, name,
                               gpu_triton.TritonKernelCall(kernel, planned.grid, 1, 1, parameters),
                               aliases)
