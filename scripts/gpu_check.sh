@@ -253,7 +253,7 @@ elif [[ -d benchmarks ]]; then
     section "benchmarks"
     budget="${GPU_CHECK_BENCH_TIMEOUT:-240}"
     CUPYROPE_BENCH_REPORT="${OUT_DIR}/bench_summary.md" timeout --signal=INT --kill-after=30 "${budget}" \
-        "${PY}" -m pytest benchmarks --benchmark-only -q -p no:cacheprovider --durations=8 \
+        "${PY}" -m pytest benchmarks --benchmark-only -q -p no:cacheprovider --durations=0 --durations-min=1.0 \
         --benchmark-json="${OUT_DIR}/bench.json" 2>&1 \
         | tee "${OUT_DIR}/bench.log"
     bench_status=${PIPESTATUS[0]}
