@@ -255,8 +255,9 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
                   validate: bool = False, seq_len: int | None = None, out_dtype: Any = None,
                   q_scale: Any = None, k_scale: Any = None,
                   out: Array | tuple[Array, Array] | None = None) -> Array | tuple[Array, Array]:
-    """RMSNorm of every head of q (and k), then the rotation, in one pass (QK-norm models:
-    Qwen3, Gemma 3, OLMo 2).
+    """RMSNorm of every head of q (and k), then the rotation, in one pass (per-head QK-norm
+    models: Qwen3, Qwen3-MoE, Gemma 3; OLMo 2 normalises the whole projection, all heads
+    together, which this is not).
 
     Per head, over ``head_dim``, in float32: ``x * rsqrt(mean(x**2) + eps) * (weight_offset +
     weight)``, then the rotation of :func:`apply_rope`, rounded once to the output dtype.
@@ -270,7 +271,7 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
     eps : float
         Added to the mean square (the model's ``rms_norm_eps``).
     weight_offset : float
-        0 for ``weight * x`` (Qwen3, OLMo 2), 1 for Gemma's ``(1 + weight) * x``.
+        0 for ``weight * x`` (Qwen3), 1 for Gemma's ``(1 + weight) * x``.
     positions, cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim, inverse, inplace,
     validate, seq_len, out_dtype, q_scale, k_scale
         As in :func:`apply_rope`. Dims past ``rotary_dim`` are normalised too; per-row fp8
