@@ -177,6 +177,25 @@ def test_one_primitive_a_call_under_jit(rng):
         (23, 0, 64)]  # q: a zero-head view of k
 
 
+def test_vmap_over_batched_caches_and_grad_refused(rng):
+    """jax.vmap over a batch of caches writes each element's cache as one call would; jax.grad
+    through the write is refused, naming write_cache."""
+    B = 3
+    k = jnp.asarray(rng.standard_normal((B, 5, 2, 8)).astype(np.float32))
+    v = k + 1
+    caches = jnp.full((B, 2, 4, 2, 8), 7.0)
+    slots = jnp.asarray(np.stack([rng.permutation(8)[:5] for _ in range(B)]))
+    slots = slots.at[1, 2].set(-1)  # padding in one element
+    batched = jax.jit(jax.vmap(cr.write_cache))(k, v, caches, caches, slots)
+    for b in range(B):
+        one = cr.write_cache(k[b], v[b], caches[b], caches[b], slots[b])
+        for got, expected in zip(batched, one):
+            assert_bits_equal(as_numpy(got)[b], as_numpy(expected), what=f"element {b}")
+    with pytest.raises(NotImplementedError,
+                       match="write_cache: jax.grad through the KV-cache write"):
+        jax.grad(lambda k: cr.write_cache(k, v[0], caches[0], caches[0], slots[0])[0].sum())(k[0])
+
+
 def test_validate_and_bad_input_match_eager_calls(rng):
     k, v, slots = _case(rng, "float32")
     cache = np.zeros((7, 4, 2, 64), np.float32)

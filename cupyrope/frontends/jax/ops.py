@@ -291,8 +291,9 @@ def _fused_fwd(fused: FusedCall, arrays: tuple):
     options = dict(fused.options)
     if "k_cache" in fused.names:
         raise NotImplementedError(
-            "rope_and_cache: jax.grad through the KV-cache write is not available; differentiate "
-            "rms_norm_rope or apply_rope, or pass inputs wrapped in jax.lax.stop_gradient")
+            f"{fused.op_name}: jax.grad through the KV-cache write is not available; "
+            "differentiate rms_norm_rope or apply_rope, or pass inputs wrapped in "
+            "jax.lax.stop_gradient")
     if options["out_dtype"] is not None:
         raise TypeError(
             f"{fused.op_name}: fp8 outputs (out_dtype={options['out_dtype']!r}) have no gradient; "
