@@ -309,7 +309,7 @@ def _nvfp4_quantized(values, global_scale):
     return packed, jax.lax.bitcast_convert_type(scales, jnp.uint8)
 
 
-_BITS_OF_WIDTH = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+_BITS_OF_WIDTH = {2: jnp.uint16, 4: jnp.uint32}  # the fused ops' dtypes: 16- and 32-bit floats
 
 
 def _cache_write(f, k_rotated, v, k_cache, v_cache, slot_mapping, cache_format, scales,
