@@ -248,6 +248,10 @@ def test_native_entry_plans_and_compiles(cache, arch):
                                        multiprocessors=132, angle_arithmetic=None)
     kernel = launch.spec.kernel
     assert kernel.fused and not kernel.lean, kernel.name_expression
+    # The new caches are written through the input caches' buffers (no results of their own).
+    assert launch.buffers[len(avals) + 2:] == (None, None), launch.buffers
+    labels = dict(zip(avals, launch.buffers))
+    assert labels["k_cache"] == "k_cache" and labels["v_cache"] == "v_cache", labels
     assert_native_entry_compiles(nvrtc, launch, arch, cache)
 
 
