@@ -279,9 +279,11 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
 // 8 resident blocks of 128 threads (at most 64 registers; no spill on sm_80 / 90 / 100 / 120):
 // each thread keeps one access in flight, so the threads an SM holds are its bytes in flight
 // (4 blocks held 640 threads at the 92-104 registers ptxas took without the tighter cap).
-// cupyrope/frontends/jax/mla.py's native entry takes the same bound.
+// cupyrope/frontends/jax/mla.py's native entry takes the same bound from here.
+constexpr int kMlaMinBlocksPerSM = 8;
+
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE>
-__global__ __launch_bounds__(128, 8) void mla_rope_kernel(const MlaParams p) {
+__global__ __launch_bounds__(128, kMlaMinBlocksPerSM) void mla_rope_kernel(const MlaParams p) {
   mla_rope_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE>(p);
 }
 

@@ -483,7 +483,7 @@ def mla_entry_source(native_mla: NativeMla, name: str) -> str:
     return f"""#include "rope.cu"
 
 // XLA's entry (cupyrope/frontends/jax/mla.py): XLA's buffers, then the MlaParams words.
-extern "C" __global__ void __launch_bounds__({THREADS}, 8) {name}(
+extern "C" __global__ void __launch_bounds__({THREADS}, cupyrope::kMlaMinBlocksPerSM) {name}(
     {separator.join(arguments)}) {{
   {statements}
 }}
