@@ -40,6 +40,26 @@ __device__ __forceinline__ unsigned short to_fp8x2(float low, float high, long l
 #endif
 }
 
+// W 32-bit words at `dst` (16-byte aligned for 4 words, 8 for 2) as 16- / 8-byte stores. In PTX:
+// the compiler turned a uint4 store of converted values into four 4-byte stores.
+template <int W>
+__device__ __forceinline__ void store_words(void* dst, const unsigned int (&words)[W]) {
+  if constexpr (W % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < W; i += 4) {
+      asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
+                   :: "l"(static_cast<unsigned int*>(dst) + i), "r"(words[i]), "r"(words[i + 1]),
+                      "r"(words[i + 2]), "r"(words[i + 3]) : "memory");
+    }
+  } else if constexpr (W == 2) {
+    asm volatile("st.global.v2.u32 [%0], {%1, %2};"
+                 :: "l"(dst), "r"(words[0]), "r"(words[1]) : "memory");
+  } else {
+#pragma unroll
+    for (int i = 0; i < W; ++i) reinterpret_cast<unsigned int*>(dst)[i] = words[i];
+  }
+}
+
 // N values stored at element `offset` of `base`: as the input dtype T, or as fp8 bytes of
 // value * (1 / scale) (vLLM's scale convention, stored = value / scale, with the reciprocal
 // rounded to float32 once: a multiply per element instead of a division, which made the fp8
@@ -64,6 +84,40 @@ __device__ __forceinline__ void store_values(void* base, Index offset, const flo
       out[N - 1] = static_cast<unsigned char>(to_fp8x2(v[N - 1] * inv_scale, 0.0f, format) & 0xffu);
     }
     store_elements<VECTOR>(static_cast<unsigned char*>(base) + offset, out);
+  }
+}
+
+// store_values of a vector access as 32-bit words: two bf16 / fp16 values a cvt.rn.*x2, four
+// fp8 values a pair of conversions, stored with st.global.v4 / v2. The MLA kernel's converted
+// stores otherwise came out of NVRTC as four 4-byte stores (bf16) or byte shuffles (fp8). Not
+// used by the fused kernels: there the same change spilled 20-64 bytes in 8 sm_90
+// specialisations.
+template <typename T, int N, typename Index>
+__device__ __forceinline__ void store_value_words(void* base, Index offset, const float (&v)[N],
+                                                  long long format, float inv_scale) {
+  static_assert(N % 4 == 0 && (sizeof(T) == 2 || sizeof(T) == 4), "whole 32-bit words");
+  if (format == kStoreInput) {
+    if constexpr (sizeof(T) == 2) {
+      unsigned int words[N / 2];
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) words[i] = Store<T>::pair(v[2 * i], v[2 * i + 1]);
+      store_words<N / 2>(static_cast<T*>(base) + offset, words);
+    } else {
+      unsigned int words[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) words[i] = __float_as_uint(Store<T>::from(v[i]));
+      store_words<N>(static_cast<T*>(base) + offset, words);
+    }
+  } else {
+    unsigned int words[N / 4];
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const unsigned int low = to_fp8x2(v[4 * i] * inv_scale, v[4 * i + 1] * inv_scale, format);
+      const unsigned int high =
+          to_fp8x2(v[4 * i + 2] * inv_scale, v[4 * i + 3] * inv_scale, format);
+      words[i] = low | (high << 16);
+    }
+    store_words<N / 4>(static_cast<unsigned char*>(base) + offset, words);
   }
 }
 

@@ -70,19 +70,21 @@ __device__ __forceinline__ void mla_load(float (&v)[A], const T* in) {
   for (int i = 0; i < A; ++i) v[i] = to_float(raw[i]);
 }
 
-// cos / sin of the P pairs from `pair0` at `position`.
+// cos / sin of the P pairs from `pair0` at `position` (NaN outside the table). `vector`: the
+// table's rows load as vectors (unit column stride; the table, its rows and the sin half
+// aligned to the P values' bytes).
 template <typename TableT, int SOURCE, int P>
 __device__ __forceinline__ void mla_angles(const MlaParams& p, long long position, long long pair0,
-                                           float (&c)[P], float (&s)[P]) {
+                                           bool vector, float (&c)[P], float (&s)[P]) {
   if constexpr (SOURCE == kCacheTable) {
-    const bool inside = position >= 0 && position < p.max_position;
-    const TableT* row = static_cast<const TableT*>(p.table) + (inside ? position : 0) *
-                                                                  p.table_row_stride;
-    const long long half = p.rope_dim / 2;
+    if (position >= 0 && position < p.max_position) {
+      const TableT* row = static_cast<const TableT*>(p.table) + position * p.table_row_stride;
+      const long long col = p.table_col_stride;
+      load_table(c, row + pair0 * col, col, vector);
+      load_table(s, row + (p.rope_dim / 2 + pair0) * col, col, vector);
+    } else {
 #pragma unroll
-    for (int j = 0; j < P; ++j) {
-      c[j] = inside ? to_float(row[(pair0 + j) * p.table_col_stride]) : quiet_nan<float>();
-      s[j] = inside ? to_float(row[(half + pair0 + j) * p.table_col_stride]) : quiet_nan<float>();
+      for (int j = 0; j < P; ++j) c[j] = s[j] = quiet_nan<float>();
     }
   } else {
     // Blackwell: two pairs an iteration (fully unrolled, the range reductions of every pair of
@@ -100,6 +102,18 @@ __device__ __forceinline__ void mla_angles(const MlaParams& p, long long positio
   }
 }
 
+// N values stored in `format` (fused.cuh): whole 32-bit words of a vector access as 16- / 8-byte
+// stores (store_value_words), else element by element.
+template <typename T, bool VECTOR, int N, typename Index>
+__device__ __forceinline__ void mla_store_values(void* base, Index offset, const float (&v)[N],
+                                                 long long format, float inv_scale) {
+  if constexpr (VECTOR && N % 4 == 0) {
+    store_value_words<T>(base, offset, v, format, inv_scale);
+  } else {
+    store_values<T, VECTOR>(base, offset, v, format, inv_scale);
+  }
+}
+
 // One rope chunk: the P pairs from `pair0` of the head at `in`, rotated (or not, for the cache
 // write alone) and stored at element `out_offset` of `out` in `format`.
 // A second destination (`cache`, nullptr: none) takes the same values in its own format: the k
@@ -114,7 +128,7 @@ struct MlaTarget {
 
 template <typename T, bool VECTOR, int N>
 __device__ __forceinline__ void mla_store(const MlaTarget& t, long long at, const float (&v)[N]) {
-  if (t.base != nullptr) store_values<T, VECTOR>(t.base, t.offset + at, v, t.format, t.inv_scale);
+  if (t.base != nullptr) mla_store_values<T, VECTOR>(t.base, t.offset + at, v, t.format, t.inv_scale);
 }
 
 template <typename T, bool VECTOR, bool INTERLEAVED, int P, int A>
@@ -162,34 +176,45 @@ __device__ __forceinline__ void mla_copy_chunk(const T* in, void* out, long long
                                                long long format, float inv_scale) {
   float v[A];
   mla_load<T, VECTOR, A>(v, in);
-  store_values<T, VECTOR>(out, out_offset, v, format, inv_scale);
+  mla_store_values<T, VECTOR>(out, out_offset, v, format, inv_scale);
 }
 
-// Item `item` of one part (q or k): `heads` heads of nope chunks (when written) then rope
-// chunks. `cache`: where the k head's rotated rope part also goes (base nullptr: nowhere).
+// x / n for the item counts of a token, n > 0: a shift where n is a power of two (every DeepSeek
+// shape), set once a launch; the division otherwise.
+struct MlaDivisor {
+  int n;
+  int shift;  // -1: n is no power of two
+  __device__ __forceinline__ explicit MlaDivisor(int value)
+      : n(value), shift(value > 0 && (value & (value - 1)) == 0 ? __ffs(value) - 1 : -1) {}
+  __device__ __forceinline__ int of(int x) const { return shift >= 0 ? x >> shift : x / n; }
+};
+
+// Item `item` of one part (q or k) of a token: first the nope chunks of every head (when
+// written), then the rope chunks of every head, so that a warp's items take one path (a warp
+// of 32 items that mixed a head's nope and rope chunks ran both, 19 of 32 threads active).
+// `cache`: where the k head's rotated rope part also goes (base nullptr: nowhere).
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, int A, int P>
 __device__ __forceinline__ void mla_part_item(
-    const MlaParams& p, int item, long long token, long long position,
-    long long nope_dim, const void* nope, const long long (&nope_strides)[2], void* nope_out,
-    const long long (&nope_out_strides)[2], const void* pe, const long long (&pe_strides)[2],
-    void* pe_out, const long long (&pe_out_strides)[2], long long format, float inv_scale,
-    const MlaTarget& cache) {
-  // A token's items fit 32 bits: the division that splits them into heads is the 32-bit one (a
-  // 64-bit division is a software routine of tens of instructions).
-  const int nope_chunks = nope_out != nullptr ? static_cast<int>(nope_dim) / A : 0;
-  const int per_head = nope_chunks + static_cast<int>(p.rope_dim / 2) / P;
-  const int head = item / per_head;
-  const int chunk = item - head * per_head;
-  if (chunk < nope_chunks) {
+    const MlaParams& p, int item, long long token, long long position, int nope_items,
+    const MlaDivisor& nope_chunks, const MlaDivisor& rope_chunks, const void* nope,
+    const long long (&nope_strides)[2], void* nope_out, const long long (&nope_out_strides)[2],
+    const void* pe, const long long (&pe_strides)[2], void* pe_out,
+    const long long (&pe_out_strides)[2], long long format, float inv_scale,
+    const MlaTarget& cache, bool table_vector) {
+  if (item < nope_items) {
+    const int head = nope_chunks.of(item);
+    const int chunk = item - head * nope_chunks.n;
     const T* in = static_cast<const T*>(nope) + token * nope_strides[0] + head * nope_strides[1];
     mla_copy_chunk<T, VECTOR, A>(in + chunk * A, nope_out,
                                  token * nope_out_strides[0] + head * nope_out_strides[1] +
                                      chunk * A,
                                  format, inv_scale);
   } else {
-    const long long pair0 = static_cast<long long>(chunk - nope_chunks) * P;
+    const int rope_item = item - nope_items;
+    const int head = rope_chunks.of(rope_item);
+    const long long pair0 = static_cast<long long>(rope_item - head * rope_chunks.n) * P;
     float c[P], s[P];
-    mla_angles<TableT, SOURCE, P>(p, position, pair0, c, s);
+    mla_angles<TableT, SOURCE, P>(p, position, pair0, table_vector, c, s);
     const T* in = static_cast<const T*>(pe) + token * pe_strides[0] + head * pe_strides[1];
     const MlaTarget out{pe_out, token * pe_out_strides[0] + head * pe_out_strides[1], format,
                         inv_scale};
@@ -207,6 +232,23 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
   const float k_inv = 1.0f / (p.k_scale != nullptr ? *p.k_scale : p.k_scale_value);
   const float kv_inv = 1.0f / (p.kv_scale != nullptr ? *p.kv_scale : p.kv_scale_value);
   const long long half = p.rope_dim / 2;
+  // A token's items (the same for every token): q's nope then rope chunks, k's, then the cache
+  // row's. Counted in 32 bits (plan_mla_launch refuses larger tokens).
+  const MlaDivisor rope_chunks(static_cast<int>(half) / P);
+  const MlaDivisor q_nope_chunks(p.q_nope_out != nullptr ? static_cast<int>(p.nope_dim) / A : 0);
+  const MlaDivisor k_nope_chunks(p.k_nope_out != nullptr ? static_cast<int>(p.k_nope_dim) / A
+                                                         : 0);
+  const int q_nope_items = static_cast<int>(p.num_q_heads) * q_nope_chunks.n;
+  const int k_nope_items = static_cast<int>(p.num_k_heads) * k_nope_chunks.n;
+  const int q_items = p.q_pe_out != nullptr
+      ? q_nope_items + static_cast<int>(p.num_q_heads) * rope_chunks.n : 0;
+  const int k_items = p.k_pe_out != nullptr
+      ? k_nope_items + static_cast<int>(p.num_k_heads) * rope_chunks.n : 0;
+  constexpr int table_bytes = VectorBytes<TableT, P>::chunk;
+  const bool table_vector = SOURCE == kCacheTable && VECTOR && p.table_col_stride == 1 &&
+      reinterpret_cast<unsigned long long>(p.table) % table_bytes == 0 &&
+      (p.table_row_stride * static_cast<long long>(sizeof(TableT))) % table_bytes == 0 &&
+      (half * static_cast<long long>(sizeof(TableT))) % table_bytes == 0;
   for (long long token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
     const long long position = p.positions != nullptr
         ? mla_index(p.positions, token * p.positions_stride, p.positions_int64 != 0)
@@ -216,12 +258,6 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
       slot = mla_index(p.slot_mapping, token * p.slot_stride, p.slots_int64 != 0);
       if (slot >= p.num_slots) slot = -1;  // past the cache: skipped, as padding
     }
-    const int q_items = p.q_pe_out != nullptr
-        ? static_cast<int>(p.num_q_heads * ((p.q_nope_out != nullptr ? p.nope_dim / A : 0) +
-                                            half / P)) : 0;
-    const int k_items = p.k_pe_out != nullptr
-        ? static_cast<int>(p.num_k_heads * ((p.k_nope_out != nullptr ? p.k_nope_dim / A : 0) +
-                                            half / P)) : 0;
     // The cache row: kv_c chunks, then the rotated k_pe, which the k items store there too
     // when they run (k_pe's one head), else cache items of their own. k_pe's row is in a cache
     // of its own (FlashInfer's kpe_cache) or is the joint row's last rope_dim entries (the host
@@ -249,14 +285,15 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
          item += static_cast<int>(blockDim.x)) {
       if (item < q_items) {
         mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P>(
-            p, item, token, position, p.nope_dim, p.q_nope, p.q_nope_strides, p.q_nope_out,
-            p.q_nope_out_strides, p.q_pe, p.q_pe_strides, p.q_pe_out, p.q_pe_out_strides,
-            p.out_format, q_inv, no_cache);
+            p, item, token, position, q_nope_items, q_nope_chunks, rope_chunks, p.q_nope,
+            p.q_nope_strides, p.q_nope_out, p.q_nope_out_strides, p.q_pe, p.q_pe_strides,
+            p.q_pe_out, p.q_pe_out_strides, p.out_format, q_inv, no_cache, table_vector);
       } else if (item < q_items + k_items) {
         mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P>(
-            p, item - q_items, token, position, p.k_nope_dim, p.k_nope, p.k_nope_strides,
-            p.k_nope_out, p.k_nope_out_strides, p.k_pe, p.k_pe_strides, p.k_pe_out,
-            p.k_pe_out_strides, p.out_format, k_inv, cache_pe);
+            p, item - q_items, token, position, k_nope_items, k_nope_chunks, rope_chunks,
+            p.k_nope, p.k_nope_strides, p.k_nope_out, p.k_nope_out_strides, p.k_pe,
+            p.k_pe_strides, p.k_pe_out, p.k_pe_out_strides, p.out_format, k_inv, cache_pe,
+            table_vector);
       } else {
         const int chunk = item - q_items - k_items;
         if (chunk < rank_chunks) {
@@ -266,7 +303,7 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
         } else {
           const long long pair0 = static_cast<long long>(chunk - rank_chunks) * P;
           float c[P], s[P];
-          mla_angles<TableT, SOURCE, P>(p, position, pair0, c, s);
+          mla_angles<TableT, SOURCE, P>(p, position, pair0, table_vector, c, s);
           mla_rope_chunk<T, VECTOR, INTERLEAVED, P, A>(
               static_cast<const T*>(p.k_pe) + token * p.k_pe_strides[0], cache_pe, no_cache,
               half, pair0, c, s, p.rotate != 0);
