@@ -56,6 +56,59 @@ __device__ __forceinline__ void warp_computed_angles(const DecodeParams& p, long
   load_elements<true>(sin_v, warp_sin + pair0);
 }
 
+// The token's position: its entry of `positions`, or the implicit arange (also for per-token
+// tables, which read no position).
+template <int SOURCE>
+__device__ __forceinline__ long long decode_position(const DecodeParams& p, int token) {
+  if (SOURCE == kTokenTables || p.positions == nullptr) return token;
+  const int offset = token * p.positions_token_stride;
+  return p.positions_are_int64 ? static_cast<const long long*>(p.positions)[offset]
+                               : static_cast<const int*>(p.positions)[offset];
+}
+
+// cos / sin of the pairs [pair0, pair0 + P) of `token`: from its table rows (sin without the
+// launch's sign; NaN for a position outside a cache, whose rows are never read), or computed by
+// the warp with the attention factor and the sign folded in (then every lane of the warp calls).
+template <typename C, typename TableT, int SOURCE, int P>
+__device__ __forceinline__ void decode_angles(const DecodeParams& p, int token, long long position,
+                                              int pair0, int half, C (&cos_v)[P], C (&sin_v)[P]) {
+  if constexpr (SOURCE == kComputedAngles) {
+    warp_computed_angles(p, position, pair0, half, cos_v, sin_v);
+  } else {
+    int cos_row = token * p.cos_row_stride, sin_row = token * p.sin_row_stride;
+    bool row_valid = true;
+    if constexpr (SOURCE == kCacheTable) {
+      row_valid = position >= 0 && position < p.max_position;
+      cos_row = row_valid ? static_cast<int>(position) * p.cos_row_stride : 0;
+      sin_row = row_valid ? static_cast<int>(position) * p.sin_row_stride : 0;
+    }
+    if (row_valid) {
+      load_table(cos_v, static_cast<const TableT*>(p.cos) + cos_row + pair0, 1, true);
+      load_table(sin_v, static_cast<const TableT*>(p.sin) + sin_row + pair0, 1, true);
+    } else {
+#pragma unroll
+      for (int i = 0; i < P; ++i) cos_v[i] = sin_v[i] = quiet_nan<C>();
+    }
+  }
+}
+
+// Head `head` of a token (q's heads, then k's): whether it is q's, its index there, and the
+// element offsets of its input and output rows, chosen by selects rather than branches.
+struct DecodeHead {
+  bool is_q;
+  int h, in_offset, out_offset;
+};
+
+__device__ __forceinline__ DecodeHead decode_head(const DecodeParams& p, int token, int head) {
+  const bool is_q = head < p.num_q_heads;
+  const int h = is_q ? head : head - p.num_q_heads;
+  return {is_q, h,
+          token * (is_q ? p.q_token_stride : p.k_token_stride) +
+              h * (is_q ? p.q_head_stride : p.k_head_stride),
+          token * (is_q ? p.q_out_token_stride : p.k_out_token_stride) +
+              h * (is_q ? p.q_out_head_stride : p.k_out_head_stride)};
+}
+
 template <typename T, typename TableT, bool INTERLEAVED, int SOURCE>
 __device__ __forceinline__ void rope_decode_thread(const DecodeParams& p) {
   using C = typename ComputeOf<T>::type;
@@ -71,49 +124,21 @@ __device__ __forceinline__ void rope_decode_thread(const DecodeParams& p) {
   const int half = static_cast<int>(ntid_x()) * P;
   const int pair0 = static_cast<int>(tid_x()) * P;
 
-  // The head's rows (q's heads, then k's), chosen by selects rather than branches.
-  const bool is_q = head < p.num_q_heads;
-  const int h = is_q ? head : head - p.num_q_heads;
-  const T* in = static_cast<const T*>(is_q ? p.q : p.k) +
-                token * (is_q ? p.q_token_stride : p.k_token_stride) +
-                h * (is_q ? p.q_head_stride : p.k_head_stride);
-  T* out = static_cast<T*>(is_q ? p.q_out : p.k_out) +
-           token * (is_q ? p.q_out_token_stride : p.k_out_token_stride) +
-           h * (is_q ? p.q_out_head_stride : p.k_out_head_stride);
+  const DecodeHead d = decode_head(p, token, head);
+  const T* in = static_cast<const T*>(d.is_q ? p.q : p.k) + d.in_offset;
+  T* out = static_cast<T*>(d.is_q ? p.q_out : p.k_out) + d.out_offset;
   // Everything above reads parameters only: with a programmatic dependent launch it overlaps the
   // previous kernel's tail.
   wait_for_previous_grid();
   HeadChunk<T, P, true, INTERLEAVED> chunk;
   if (has_head) chunk.load(in, pair0, half);
 
-  long long position = token;  // the implicit arange
-  if (SOURCE != kTokenTables && p.positions != nullptr) {
-    const int offset = token * p.positions_token_stride;
-    position = p.positions_are_int64 ? static_cast<const long long*>(p.positions)[offset]
-                                     : static_cast<const int*>(p.positions)[offset];
-  }
-
+  const long long position = decode_position<SOURCE>(p, token);
   C cos_v[P], sin_v[P];
-  if constexpr (kComputed) {
-    warp_computed_angles(p, position, pair0, half, cos_v, sin_v);
-    if (has_head) chunk.rotate_store(out, pair0, half, cos_v, sin_v, C(1));  // sign folded in
-    return;
-  } else {
-    int cos_row = token * p.cos_row_stride, sin_row = token * p.sin_row_stride;
-    bool row_valid = true;
-    if constexpr (SOURCE == kCacheTable) {  // a row outside the cache is never read: NaN
-      row_valid = position >= 0 && position < p.max_position;
-      cos_row = row_valid ? static_cast<int>(position) * p.cos_row_stride : 0;
-      sin_row = row_valid ? static_cast<int>(position) * p.sin_row_stride : 0;
-    }
-    if (row_valid) {
-      load_table(cos_v, static_cast<const TableT*>(p.cos) + cos_row + pair0, 1, true);
-      load_table(sin_v, static_cast<const TableT*>(p.sin) + sin_row + pair0, 1, true);
-    } else {
-#pragma unroll
-      for (int i = 0; i < P; ++i) cos_v[i] = sin_v[i] = quiet_nan<C>();
-    }
-    chunk.rotate_store(out, pair0, half, cos_v, sin_v, static_cast<C>(p.sin_sign));
+  decode_angles<C, TableT, SOURCE, P>(p, token, position, pair0, half, cos_v, sin_v);
+  if (has_head) {  // computed angles fold the sign in; a table's rows do not carry it
+    chunk.rotate_store(out, pair0, half, cos_v, sin_v,
+                       kComputed ? C(1) : static_cast<C>(p.sin_sign));
   }
 }
 

@@ -347,7 +347,8 @@ struct SlotRows {
   long long k_base, v_base;  // < 0: no cache write for this token
 };
 
-__device__ __forceinline__ SlotRows slot_rows(const FusionParams& f, long long token) {
+template <typename F>  // FusionParams, or FusedDecodeParams (fused_decode.cuh)
+__device__ __forceinline__ SlotRows slot_rows(const F& f, long long token) {
   if (f.k_cache == nullptr) return {-1, -1};
   const long long at = token * f.slot_stride;
   const long long slot = f.slots_are_int64 ? static_cast<const long long*>(f.slot_mapping)[at]

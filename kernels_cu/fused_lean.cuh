@@ -170,8 +170,8 @@ __device__ __forceinline__ void load_weights_as(const void* w, int dim, float (&
   }
 }
 
-template <typename W, int N>
-__device__ __forceinline__ void load_lane_weights(const FusionParams& f, const void* w, int dim,
+template <typename W, int N, typename F>
+__device__ __forceinline__ void load_lane_weights(const F& f, const void* w, int dim,
                                                   float (&out)[N]) {
   if constexpr (!IsSame<W, RuntimeWeights>::value) {
     load_weights_as<W>(w, dim, out);
@@ -187,9 +187,10 @@ __device__ __forceinline__ void load_lane_weights(const FusionParams& f, const v
 // Values of one head to its output row or k cache row: as the input dtype, or as fp8 with the
 // reciprocal of q's or k's scale computed on that path only. (Computed once at the start, the
 // reciprocals spilled; picked per head before the store, the compiler computed the reciprocal of
-// the picked scale for every head, fp8 or not.)
-template <typename T, int N, typename Index>
-__device__ __forceinline__ void lean_store(const FusionParams& f, void* base, Index offset,
+// the picked scale for every head, fp8 or not.) F: FusionParams, or the decode kernel's
+// FusedDecodeParams (fused_decode.cuh), which names its fields alike.
+template <typename T, int N, typename Index, typename F>
+__device__ __forceinline__ void lean_store(const F& f, void* base, Index offset,
                                            const float (&v)[N], long long format, bool is_k) {
   if (format == kStoreInput) {
     store_values<T, true>(base, offset, v, kStoreInput, 1.0f);
@@ -203,8 +204,8 @@ __device__ __forceinline__ void lean_store(const FusionParams& f, void* base, In
 // One head's chunk: normalised (NORM: x * (rms_scale * (weight_offset + w)), the product as one
 // fma), rotated (sin carries the sign already) and stored to the output row and, for a k head
 // with a cache slot, to its k cache row.
-template <typename T, int P, bool INTERLEAVED, bool NORM, bool CACHE, typename W>
-__device__ __forceinline__ void lean_rotate_store(const FusionParams& f,
+template <typename T, int P, bool INTERLEAVED, bool NORM, bool CACHE, typename W, typename F>
+__device__ __forceinline__ void lean_rotate_store(const F& f,
                                                   const LeanChunk<T, INTERLEAVED>& chunk,
                                                   int pair0, int half, const void* head_weights,
                                                   float weight_offset, float rms_scale,
@@ -265,8 +266,8 @@ __device__ __forceinline__ void lean_rotate_store(const FusionParams& f,
 // v head `vh` of the token into the v cache, as store_v_head, with a lane's chunks loaded two at a
 // time before either is stored (a bfloat16 head of 128 dims over 8 lanes: both of a lane's chunks
 // in flight at once), copied as they are when the cache takes the input dtype.
-template <typename T>
-__device__ __forceinline__ void lean_store_v_head(const FusionParams& f, int token, int vh,
+template <typename T, typename F>
+__device__ __forceinline__ void lean_store_v_head(const F& f, int token, int vh,
                                                   long long v_base, int head_chunks) {
   constexpr int A = Words<T>::count;
   const T* v_row = static_cast<const T*>(f.v) + token * static_cast<int>(f.v_token_stride) +

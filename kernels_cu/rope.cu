@@ -14,12 +14,14 @@
 // rope_lean_kernel for the common case (one token dim after merging, no M-RoPE,
 // 16-byte accesses, 32-bit offsets, vector cos/sin rows: fewer registers and about half the
 // instructions), rope_kernel for every layout, rope_fused_kernel for the fused ops (fused.cuh)
-// (rope_fused_rows_kernel where stores are quantised per row) and rope_fused_lean_kernel for
-// their common layout (fused_lean.cuh).
+// (rope_fused_rows_kernel where stores are quantised per row), rope_fused_lean_kernel for
+// their common layout (fused_lean.cuh) and rope_fused_decode_kernel for that layout at few tokens
+// (fused_decode.cuh).
 #include "angles.cuh"
 #include "decode.cuh"
 #include "dependent_launch.cuh"
 #include "fused.cuh"
+#include "fused_decode.cuh"
 #include "fused_lean.cuh"
 #include "mla.cuh"
 #include "numeric.cuh"
@@ -289,6 +291,18 @@ __global__ __launch_bounds__(kMaxThreadsPerBlock,
                                                      MROPE>::value)
 void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
   rope_fused_lean<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, NORM, CACHE, MROPE>(p, f);
+}
+
+// The fused ops in the lean layout at few tokens (decided on the host:
+// launch.fused_decode_applies), one thread per (token, head, chunk), one kernel per set of
+// fusions as the lean fused kernel. No block bound: a thread holds one chunk, and a decode
+// launch fills few blocks.
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
+          bool NORM, bool CACHE>
+__global__ __launch_bounds__(kMaxThreadsPerBlock)
+void rope_fused_decode_kernel(const DecodeParams p, const FusedDecodeParams f) {
+  static_assert(VECTOR && !WIDE_INDEX, "the decode kernels take 16-byte accesses, 32-bit offsets");
+  rope_fused_decode_body<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE>(p, f);
 }
 
 // Re-rotation of cached keys in place (rerotate.cuh): FORMAT is the cache's StoreFormat, T its

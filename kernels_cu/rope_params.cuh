@@ -168,4 +168,32 @@ struct DecodeParams {
   double attention_factor;     // computed angles: multiplies cos and sin
 };
 
+// The second by-value argument of rope_fused_decode_kernel (fused_decode.cuh): the FusionParams
+// fields a fused decode launch reads, in three 64-byte lines of the constant bank (FusionParams
+// spreads them over six; see DecodeParams for why lines count). The nine data pointers lead in
+// FusionParams' order (the repeat-call path fills both alike), the other fields keep its names
+// (the lean fused kernel's helpers take either struct). Offsets of q, k and v are 32-bit, as in
+// DecodeParams; cache offsets 64-bit. FUSED_DECODE_PARAMS_DTYPE in abi.py mirrors this layout.
+struct FusedDecodeParams {
+  const void* q_weight;
+  const void* k_weight;
+  const float* q_scale;
+  const float* k_scale;
+  const float* v_scale;
+  const void* v;
+  void* k_cache;
+  void* v_cache;
+  const void* slot_mapping;
+
+  long long num_slots;
+  long long k_cache_block_stride, k_cache_slot_stride, k_cache_head_stride;
+  long long v_cache_block_stride, v_cache_slot_stride, v_cache_head_stride;
+
+  int weight_dtype, out_format, cache_format;
+  int num_v_heads, v_token_stride, v_head_stride;
+  int slot_stride, slots_are_int64, block_size;
+  float eps, weight_offset;
+  float q_scale_value, k_scale_value, v_scale_value;
+};
+
 }  // namespace cupyrope

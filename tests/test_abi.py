@@ -10,6 +10,7 @@ from cupyrope.cuda import compiler
 from cupyrope.core.abi import (
     MAX_TOKEN_DIMS,
     DECODE_PARAMS_DTYPE,
+    FUSED_DECODE_PARAMS_DTYPE,
     PARAMS_DTYPE,
     THREADS_PER_BLOCK,
     AngleSource,
@@ -104,8 +105,16 @@ def test_a_mismatch_fails_the_check():
 def _layout_source() -> str:
     # __INTADDR__ is the offsetof of NVRTC's front end (EDG): every NVRTC accepts it, where 13.0
     # rejects __builtin_offsetof.
-    checks = ["using cupyrope::RopeParams;", "using cupyrope::FusionParams;"]
-    for struct, dtype in (("RopeParams", PARAMS_DTYPE), ("FusionParams", FUSION_PARAMS_DTYPE)):
+    checks = ["using cupyrope::RopeParams;", "using cupyrope::FusionParams;",
+              "using cupyrope::FusedDecodeParams;",
+              f"static_assert(sizeof(FusedDecodeParams) == {FUSED_DECODE_PARAMS_DTYPE.itemsize}, "
+              "\"FusedDecodeParams size\");"]
+    # The fused decode kernel's struct leads with FusionParams' nine data pointers at the same
+    # offsets: the repeat-call path writes them into either.
+    for name in FUSED_DECODE_PARAMS_DTYPE.names[:9]:
+        assert FUSED_DECODE_PARAMS_DTYPE.fields[name][1] == FUSION_PARAMS_DTYPE.fields[name][1], name
+    for struct, dtype in (("RopeParams", PARAMS_DTYPE), ("FusionParams", FUSION_PARAMS_DTYPE),
+                          ("FusedDecodeParams", FUSED_DECODE_PARAMS_DTYPE)):
         for name in dtype.names:
             offset = dtype.fields[name][1]
             checks.append(
@@ -116,7 +125,8 @@ def _layout_source() -> str:
 
 def test_params_struct_matches_numpy_dtype():
     log = _compile(_layout_source(), "layout.cu")
-    assert log is None, "RopeParams layout differs from PARAMS_DTYPE:\n" + str(log)
+    assert log is None, ("RopeParams, FusionParams or FusedDecodeParams differs from its NumPy "
+                         "dtype:\n" + str(log))
 
 
 def test_a_wrong_offset_fails_the_check():

@@ -92,19 +92,27 @@ LEAN_CASES = ["norm", "fp8 out", "norm + fp8 out", "cache", "norm + cache", "nor
 
 
 @pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
-@pytest.mark.parametrize("kernel", ["lean", "general"])
+@pytest.mark.parametrize("kernel", ["decode", "lean", "general"])
 @pytest.mark.parametrize("case", LEAN_CASES)
 @pytest.mark.parametrize("dtype,interleaved,source,D", [
     ("bfloat16", False, "cache", 128), ("bfloat16", True, "computed", 96),
-    ("float16", False, "tables_half", 96), ("float32", True, "cache", 64)])
+    ("float16", False, "tables_half", 96), ("float32", True, "cache", 64),
+    ("bfloat16", True, "computed", 128), ("float16", False, "tables_half", 128)])
 def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kernels, kernel, case,
                                         dtype, interleaved, source, D):
-    """The common layout runs the lean fused kernel, compiled for the fusions of the call; the
-    general fused kernel, forced onto the same call, gives results within the same bounds. Head
-    sizes of 96 leave lanes without a chunk (the norm's lanes are a power of two)."""
+    """The common layout runs the fused decode kernel with few tokens (heads of a power-of-two
+    number of chunks) and the lean fused kernel with more, each compiled for the fusions of the
+    call; the general fused kernel, forced onto the same call, gives results within the same
+    bounds. Head sizes of 96 leave lanes without a chunk on the lean kernel (the norm's lanes
+    are a power of two) and stay off the decode kernel."""
     from cupyrope.cuda import launch
+    from cupyrope.core.arrays import cupy_module
+    from cupyrope.cuda.compiler import angle_arithmetic
 
     ran = launched_kernels
+    if kernel == "lean":  # the same call counts as many tokens
+        monkeypatch.setattr(launch, "FUSED_DECODE_MAX_TOKENS", 0)
+        monkeypatch.setattr(launch, "FUSED_DECODE_MAX_NORM_TOKENS", 0)
     if kernel == "general":
         monkeypatch.setattr(launch, "fused_lean_applies", lambda *args, **kwargs: False)
     norm, cache = "norm" in case, "cache" in case
@@ -142,8 +150,13 @@ def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kern
         q_out, k_out = cr.apply_rope(qb, kb, interleaved=interleaved, **angles, out_dtype=fp8,
                                      q_scale=0.5, k_scale=0.25)
     (spec,) = ran
-    assert spec.fused and spec.lean is (kernel == "lean")
-    assert (spec.norm, spec.cache) == ((norm, cache) if kernel == "lean" else (False, False))
+    pairs = 16 // np.dtype(np_dtype(dtype)).itemsize // (2 if interleaved else 1)
+    chunks = D // 2 // pairs
+    decodes = kernel == "decode" and chunks & (chunks - 1) == 0 and (
+        source != "computed" or angle_arithmetic(cupy_module().cuda.runtime.getDevice())
+        == "float64")  # computed angles take a decode kernel with float64 arithmetic only
+    assert spec.fused and spec.lean is (kernel != "general") and spec.decode is decodes
+    assert (spec.norm, spec.cache) == ((norm, cache) if kernel != "general" else (False, False))
 
     expected = {name: reference_rope(_rms_norm64(x, w[name], 1e-6, 0.0) if norm else x,
                                      interleaved=interleaved, **ref_kw)
@@ -310,6 +323,49 @@ def test_fp8_saturates_instead_of_overflowing(backend, fp8):
     values = out.view(fmt).astype(np.float64) if out.dtype == np.uint8 else out.astype(np.float64)
     limit = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}[fp8]
     assert np.all(values[0] == limit) and np.all(values[1] == -limit)
+
+
+@pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_fused_decode_kernel_splits_many_heads_over_blocks(backend, rng, launched_kernels, layout):
+    """64 q, 8 k and 8 v heads of 8 lanes are 640 threads a token: the fused decode kernel splits
+    them over blocks (some threads without a head), q's, k's and v's heads in any block; every
+    row is normalised, rotated and written where it belongs, padding slots write nothing."""
+    T, Hq, Hk, D, block_size, num_blocks = 3, 64, 8, 128, 4, 2
+    positions = rng.integers(0, 4096, T)
+    cache = cr.cos_sin_cache(4096, D, dtype="float32")
+    q = (rng.standard_normal((T, Hq, D)) * 3).astype(ml_dtypes.bfloat16)
+    k = (rng.standard_normal((T, Hk, D)) * 3).astype(ml_dtypes.bfloat16)
+    v = rng.standard_normal((T, Hk, D)).astype(ml_dtypes.bfloat16)
+    w = {"q": rng.uniform(0.5, 1.5, D).astype(ml_dtypes.bfloat16),
+         "k": rng.uniform(0.5, 1.5, D).astype(ml_dtypes.bfloat16)}
+    slots = np.array([5, -1, 2])
+    shape = ((num_blocks, block_size, Hk, D) if layout == "NHD"
+             else (num_blocks, Hk, block_size, D))
+    k_cache = backend.put(np.zeros(shape, ml_dtypes.bfloat16))
+    v_cache = backend.put(np.zeros(shape, ml_dtypes.bfloat16))
+    q_out, k_out, _, _ = cr.rope_and_cache(
+        backend.put(q), backend.put(k), backend.put(v), backend.put(positions), k_cache, v_cache,
+        backend.put(slots), cos_sin_cache=backend.put(cache), q_weight=backend.put(w["q"]),
+        k_weight=backend.put(w["k"]), eps=1e-6, layout=layout, inplace=False)
+    (spec,) = launched_kernels
+    assert spec.fused and spec.decode and spec.norm and spec.cache, spec.name_expression
+    expected = {name: reference_rope(_rms_norm64(x, w[name].astype(np.float64), 1e-6, 0.0),
+                                     positions, cos_sin_cache=cache)
+                for name, x in (("q", q), ("k", k))}
+    _assert_close(host_values(backend, q_out), expected["q"], "bfloat16", "q")
+    _assert_close(host_values(backend, k_out), expected["k"], "bfloat16", "k")
+    got_k, got_v = (host_values(backend, c).astype(np.float32) for c in (k_cache, v_cache))
+    if layout == "HND":
+        got_k, got_v = (c.transpose(0, 2, 1, 3) for c in (got_k, got_v))
+    got_k, got_v = (c.reshape(-1, Hk, D) for c in (got_k, got_v))
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            _assert_close(got_k[slot], expected["k"][t], "bfloat16", f"k cache slot {slot}")
+            np.testing.assert_array_equal(got_v[slot], v[t].astype(np.float32))
+    written = [s for s in slots if s >= 0]
+    untouched = np.setdiff1d(np.arange(num_blocks * block_size), written)
+    assert not got_k[untouched].any() and not got_v[untouched].any()
 
 
 def _put_fp8(backend: Backend, host: np.ndarray):

@@ -88,11 +88,15 @@ CASES = {
                                     scaling={"rope_type": "default",
                                              "mrope_section": [16, 24, 24]}),
                       "rope_kernel"),
-    "fused_norm": (lambda: _fused("rms_norm_rope", 700, "bfloat16", eps=1e-6,
+    "fused_norm": (lambda: _fused("rms_norm_rope", 700, "bfloat16", norm=True, eps=1e-6,
                                   weight_offset=1.0), "rope_fused_lean_kernel"),
     "fused_fp8": (lambda: _fused("apply_rope", 33, "bfloat16", out_dtype="float8_e4m3fn",
-                                 q_scale=0.5, k_scale=0.5), "rope_fused_lean_kernel"),
-    "fused_cache": (lambda: _fused("rope_and_cache", 12, "float16"), "rope_fused_lean_kernel"),
+                                 q_scale=0.5, k_scale=0.5), "rope_fused_decode_kernel"),
+    "fused_cache": (lambda: _fused("rope_and_cache", 12, "float16"), "rope_fused_decode_kernel"),
+    "fused_cache_lean": (lambda: _fused("rope_and_cache", 3000, "float16"),
+                         "rope_fused_lean_kernel"),
+    "fused_norm_decode": (lambda: _fused("rms_norm_rope", 5, "bfloat16", norm=True, eps=1e-6,
+                                         weight_offset=1.0), "rope_fused_decode_kernel"),
     "fused_lean_mrope": (lambda: _fused("rms_norm_rope", 40, "bfloat16", eps=1e-6,
                                         weight_offset=0.0,
                                         scaling={"rope_type": "default",
@@ -117,8 +121,11 @@ def test_native_entry_plans_and_compiles(case, arch):
     assert spec.kernel.name_expression.split("<")[0].endswith(kernel), spec.kernel.name_expression
     threads = block[0] * block[1] * block[2]
     assert threads % 32 == 0 and threads <= 256 and block[0] == spec.block[0]
-    if spec.kernel.decode:  # one thread per head: every head keeps its thread
-        assert block[2] == 1 and block[1] * native.grid[1] >= plan.num_q_heads + plan.num_k_heads
+    if spec.kernel.decode:  # one thread per head (v's too): every head keeps its thread
+        fusion = plan.fusion
+        v_heads = fusion.v.shape[1] if fusion is not None and fusion.writes_cache else 0
+        assert block[2] == 1 and (block[1] * native.grid[1]
+                                  >= plan.num_q_heads + plan.num_k_heads + v_heads)
     names = [n for n in native.buffers if n is not None]
     assert names[:len(avals)] == list(avals)  # XLA's operand order
     assert ("inv_freq" in names) == (native.inv_freq is not None)

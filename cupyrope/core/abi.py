@@ -103,6 +103,22 @@ FUSION_PARAMS_DTYPE = np.dtype(
         "v_cache_scales_head_stride", "row_scaled")]
 )
 
+# Field for field the layout of cupyrope::FusedDecodeParams (the fused decode kernel's compact
+# FusionParams: the nine data pointers in FUSION_PARAMS_DTYPE's order and offsets, then the cache
+# strides, then 32-bit fields; 184 bytes).
+FUSED_DECODE_PARAMS_DTYPE = np.dtype(
+    [(name, np.uint64) for name in ("q_weight", "k_weight", "q_scale", "k_scale", "v_scale", "v",
+                                    "k_cache", "v_cache", "slot_mapping")]
+    + [(name, np.int64) for name in (
+        "num_slots", "k_cache_block_stride", "k_cache_slot_stride", "k_cache_head_stride",
+        "v_cache_block_stride", "v_cache_slot_stride", "v_cache_head_stride")]
+    + [(name, np.int32) for name in (
+        "weight_dtype", "out_format", "cache_format", "num_v_heads", "v_token_stride",
+        "v_head_stride", "slot_stride", "slots_are_int64", "block_size")]
+    + [(name, np.float32) for name in ("eps", "weight_offset", "q_scale_value", "k_scale_value",
+                                       "v_scale_value")]
+)
+
 # Field for field the layout of cupyrope::DecodeParams (the decode kernel's compact parameters:
 # the seven data pointers and inv_freq in PARAMS_DTYPE's order and offsets, then 32-bit fields).
 DECODE_PARAMS_DTYPE = np.dtype(

@@ -42,7 +42,9 @@ class KernelSpec:
     # The lean fused kernel (fused and lean: fused_lean.cuh) is compiled per set of fusions.
     norm: bool = False  # RMSNorm before the rotation
     cache: bool = False  # the k / v cache write
-    decode: bool = False  # rope_decode_kernel: few tokens, one thread per (token, head, chunk)
+    # rope_decode_kernel: few tokens, one thread per (token, head, chunk); fused too:
+    # rope_fused_decode_kernel (fused_decode.cuh), per set of fusions as the lean fused kernel
+    decode: bool = False
     # rope_fused_rows_kernel: the general fused kernel with stores quantised per row (per-(token,
     # head) fp8 scales, NVFP4 caches: kernels_cu/quantize.cuh)
     rows: bool = False
@@ -53,14 +55,16 @@ class KernelSpec:
     @property
     def name_expression(self) -> str:
         """The instantiation, which is also this specialisation's key in the compiled module."""
-        kernel = ("rope_decode_kernel" if self.decode else
+        kernel = ("rope_fused_decode_kernel" if self.decode and self.fused else
+                  "rope_decode_kernel" if self.decode else
                   "rope_fused_lean_kernel" if self.fused and self.lean else
                   "rope_fused_rows_kernel" if self.fused and self.rows else
                   "rope_fused_kernel" if self.fused else
                   "rope_lean_kernel" if self.lean else "rope_kernel")
         flags = (self.vector, self.interleaved)
         fusions = (f", {str(self.norm).lower()}, {str(self.cache).lower()}"
-                   + (", true" if self.mrope else "") if self.fused and self.lean else "")
+                   + (", true" if self.mrope else "")
+                   if self.fused and (self.lean or self.decode) else "")
         return (
             f"cupyrope::{kernel}<{CUDA_TYPE_NAMES[self.dtype]}, "
             f"{CUDA_TYPE_NAMES[self.table_dtype]}, {', '.join(str(f).lower() for f in flags)}, "
@@ -114,7 +118,10 @@ def _fused_specialisations() -> tuple[KernelSpec, ...]:
              if spec.source != AngleSource.TOKEN_TABLES]
     # Stores quantised per row: every layout of the general fused kernel.
     rows = [dataclasses.replace(spec, rows=True) for spec in specs]
-    return tuple(specs + lean + mrope + rows)
+    # The fused decode kernels: the lean fused layouts without M-RoPE, few tokens
+    # (launch.fused_decode_applies).
+    decode = [dataclasses.replace(spec, decode=True) for spec in lean]
+    return tuple(specs + lean + mrope + rows + decode)
 
 
 FUSED_SPECIALISATIONS: tuple[KernelSpec, ...] = _fused_specialisations()

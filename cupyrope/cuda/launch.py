@@ -18,8 +18,9 @@ from collections.abc import Callable
 import numpy as np
 
 from . import dependent_launch
-from ..core.abi import (DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, MAX_TOKEN_DIMS, PARAMS_DTYPE,
-                  THREADS_PER_BLOCK, AngleSource, StoreFormat, WeightDtype, access_layout)
+from ..core.abi import (DECODE_PARAMS_DTYPE, FUSED_DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE,
+                         MAX_TOKEN_DIMS, PARAMS_DTYPE, THREADS_PER_BLOCK, AngleSource,
+                         StoreFormat, WeightDtype, access_layout)
 from ..core.arrays import ArrayInfo, cupy_module, mark_written, stream_is_capturing, upload
 from ..core.dtypes import ITEMSIZE
 from ..core.fused_plan import STORE_FORMATS
@@ -183,14 +184,14 @@ def decode_struct(p: np.ndarray, source: AngleSource) -> np.ndarray:
     return d
 
 
-def decode_geometry(plan: RopePlan, pairs: int):
-    """(block, grid) of the decode kernel: x the chunks of a head, y the heads of q then k (split
-    evenly over gridDim.y when they do not fit one block), grid x the tokens. With computed
-    angles a block is whole warps (each warp computes its token's angles: kernels_cu/decode.cuh):
-    its heads are padded up to that, which can take it past THREADS_PER_BLOCK (then
-    decode_kernel_applies says no)."""
+def decode_geometry(plan: RopePlan, pairs: int, extra_heads: int = 0):
+    """(block, grid) of the decode kernel: x the chunks of a head, y the heads of q then k (then
+    ``extra_heads``: the fused decode kernel's v heads; split evenly over gridDim.y when they do
+    not fit one block), grid x the tokens. With computed angles a block is whole warps (each
+    warp computes its token's angles: kernels_cu/decode.cuh): its heads are padded up to that,
+    which can take it past THREADS_PER_BLOCK (then decode_kernel_applies says no)."""
     chunks = (plan.rotary_dim // 2) // pairs
-    num_heads = plan.num_q_heads + plan.num_k_heads
+    num_heads = plan.num_q_heads + plan.num_k_heads + extra_heads
     grid_y = -(-num_heads // (THREADS_PER_BLOCK // chunks))
     block_y = -(-num_heads // grid_y)  # 40 heads over 2 blocks: 20 + 20, not 32 + 8
     if plan.source == AngleSource.COMPUTED:
@@ -390,6 +391,13 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                           mrope=lean and bool(plan.mrope_mode))
         ring = not lean and fused_ring(plan, fusion, vector)
         fusion_params = fusion_struct(plan, fusion, copy_pass)
+        if lean and fused_decode_applies(plan, pairs=pairs, angle_arithmetic=angle_arithmetic):
+            block, grid = decode_geometry(plan, pairs, fused_v_heads(fusion))
+            shared_bytes = (decode_shared_angle_bytes(plan, block)
+                            if plan.source == AngleSource.COMPUTED else 0)
+            return LaunchSpec(dataclasses.replace(spec, decode=True),
+                              decode_struct(p, plan.source), grid, block, shared_bytes, pointers,
+                              sin_offset, vector, fused_decode_struct(fusion_params))
         fusion_params["ring"] = ring
         extra_heads = plan.num_k_heads if fusion.writes_cache else 0
         block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
@@ -580,6 +588,50 @@ def fused_lean_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_
             and plan.rotary_dim == plan.head_dim and (plan.rotary_dim // 2) // pairs <= 32
             and plan.head_dim % 4 == 0
             and not (plan.fusion is not None and plan.fusion.row_scaled))  # rows: general kernel
+
+
+# The fused decode kernel (kernels_cu/fused_decode.cuh: one thread per token, head and chunk,
+# compact parameters) runs the lean fused kernel's launches (M-RoPE aside) of at most this many
+# tokens, with the norm at most FUSED_DECODE_MAX_NORM_TOKENS. H200, bf16 q [T, 32, 128], k and v
+# [T, 8, 128], graph of 20 calls, µs, lean -> decode: rope_and_cache T = 1 2.19 -> 1.31, 512 6.16
+# -> 4.68, 2048 17.16 -> 15.33; fp8 out 2048 11.92 -> 10.71; rms_norm_rope T = 1 2.03 -> 1.57,
+# 128 2.84 -> 2.24, 512 5.79 -> 5.93, 2048 14.01 -> 14.84; norm + rope + cache 128 3.42 -> 2.53,
+# 512 6.44 -> 6.33, 2048 18.62 -> 19.45. measured: docs/perf_log.md#fused_decode_max_tokens
+FUSED_DECODE_MAX_TOKENS = 2048
+FUSED_DECODE_MAX_NORM_TOKENS = 256
+
+
+def fused_decode_applies(plan: RopePlan, *, pairs: int, angle_arithmetic: str | None) -> bool:
+    """Whether the fused decode kernel runs a launch that the lean fused kernel would: few tokens,
+    no M-RoPE, the chunks of a head a power of two (the norm sums over them with shuffles), and
+    with computed angles where they pay on a decode kernel (``computed_decode_pays``) and its
+    warps' angles fit the shared memory a launch may use without opting in."""
+    chunks = (plan.rotary_dim // 2) // pairs
+    most = FUSED_DECODE_MAX_NORM_TOKENS if plan.fusion.norm else FUSED_DECODE_MAX_TOKENS
+    if plan.mrope_mode or plan.num_tokens > most or chunks & (chunks - 1) or chunks > 32:
+        return False
+    if plan.source == AngleSource.COMPUTED:
+        if not computed_decode_pays(plan, angle_arithmetic):
+            return False
+        block, _ = decode_geometry(plan, pairs, fused_v_heads(plan.fusion))
+        return (block[0] * block[1] <= THREADS_PER_BLOCK
+                and decode_shared_angle_bytes(plan, block) <= MAX_SHARED_ANGLE_BYTES)
+    return True
+
+
+def fused_v_heads(fusion) -> int:
+    """The v heads a fused launch copies into the v cache (one thread row each on the decode
+    kernel)."""
+    return fusion.v.shape[1] if fusion.writes_cache else 0
+
+
+def fused_decode_struct(f: np.ndarray) -> np.ndarray:
+    """The fused decode kernel's FusedDecodeParams from a launch's FusionParams (every field of the
+    one is a field of the other; the int32 ones fit, as the lean kernels' offsets do)."""
+    d = np.zeros((), dtype=FUSED_DECODE_PARAMS_DTYPE)
+    for name in FUSED_DECODE_PARAMS_DTYPE.names:
+        d[name] = f[name]
+    return d
 
 
 def _norm_weights_vector_ok(fusion) -> bool:

@@ -28,7 +28,8 @@ CALL_TARGET = "triton_kernel_call_ffi"
 # path the plan assumes needs 16-byte alignment (XLA aligns its buffers to far more).
 POINTER_DIVISIBILITY = 16
 # Where the array each XLA buffer holds goes in the kernel's parameter structs: (struct, word).
-# RopeParams and DecodeParams lead with the same eight pointers; FusionParams with its nine.
+# RopeParams and DecodeParams lead with the same eight pointers; FusionParams and
+# FusedDecodeParams with the same nine.
 _ROPE_WORDS = {"q": 0, "k": 1, "q_out": 2, "k_out": 3, "positions": 4, "cos_sin_cache": 5,
                "cos": 5, "sin": 6, "inv_freq": 7}
 _FUSION_WORDS = {"q_weight": 0, "k_weight": 1, "q_scale": 2, "k_scale": 3, "v_scale": 4, "v": 5,
@@ -238,7 +239,8 @@ def _flat_block(plan, spec) -> tuple[tuple[int, int, int], tuple[int, int], int]
         step = launch.whole_warp_heads(x)
         y = -(-y // step) * step
         if x * y > limit:  # the heads of one block over more blocks
-            num_heads = plan.num_q_heads + plan.num_k_heads
+            num_heads = plan.num_q_heads + plan.num_k_heads + (
+                launch.fused_v_heads(plan.fusion) if spec.kernel.fused else 0)
             most = limit // (x * step) * step  # heads a whole-warp block holds
             if most:
                 grid = (grid[0], -(-num_heads // most))
@@ -256,7 +258,7 @@ def _flat_block(plan, spec) -> tuple[tuple[int, int, int], tuple[int, int], int]
             f"cupyrope under jax.jit: no block of whole warps within {limit} threads fits the "
             f"planned block {tuple(spec.block)} for XLA's kernel call")
     kernel = spec.kernel
-    if kernel.fused:
+    if kernel.fused and not kernel.decode:
         shared_bytes = (0 if kernel.lean else launch.fused_shared_bytes(
             plan, plan.fusion, bool(spec.fusion_params["ring"]), choice))
     elif kernel.decode:
@@ -288,6 +290,10 @@ def _body(kernel) -> tuple[str, str]:
     args = [a.strip() for a in template[1:-1].split(",")]
     t, table, _, interleaved, source, wide = args[:6]
     threads = "cupyrope::kMaxThreadsPerBlock"
+    if kernel.fused and kernel.decode:
+        norm, cache = args[6:8]
+        return (f"cupyrope::rope_fused_decode_body<{t}, {table}, {interleaved}, {source}, {norm}, "
+                f"{cache}>", threads)
     if kernel.fused and kernel.lean:
         norm, cache = args[6:8]
         return (f"cupyrope::rope_fused_lean{template}",
@@ -316,7 +322,9 @@ def _entry_source(spec, name: str, buffers: tuple) -> str:
     params_type = "cupyrope::DecodeParams" if spec.kernel.decode else "cupyrope::RopeParams"
     structs = [("rope", params_type, spec.params.dtype.itemsize // 8, _ROPE_WORDS)]
     if spec.fusion_params is not None:
-        structs.append(("fusion", "cupyrope::FusionParams",
+        fusion_type = ("cupyrope::FusedDecodeParams" if spec.kernel.decode
+                       else "cupyrope::FusionParams")
+        structs.append(("fusion", fusion_type,
                         spec.fusion_params.dtype.itemsize // 8, _FUSION_WORDS))
     arguments = [f"unsigned long long buffer{i}" for i in range(len(buffers))]
     arguments.append("long long sin_offset")
