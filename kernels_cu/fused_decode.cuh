@@ -58,6 +58,20 @@ __device__ __forceinline__ void rope_fused_decode_thread(const DecodeParams& p,
     }
   }
   if (!kComputed && !rotated) return;
+  // The norm weights now, after the chunk: their load then overlaps the position's and the
+  // table's (the lean kernel loads them after the head's reduction). Not with computed angles,
+  // nor before compute capability 8.9: there the angles' slow range reduction or the fp8
+  // stores are calls, across which held weights spilled 8-32 bytes.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  constexpr bool kWeightsFirst = NORM && !kComputed;
+#else
+  constexpr bool kWeightsFirst = false;
+#endif
+  const void* head_weights = is_q ? f.q_weight : f.k_weight;
+  LaneWeights<P> weights;
+  if constexpr (kWeightsFirst) {
+    if (rotated) load_chunk_weights<W, P, INTERLEAVED>(f, head_weights, pair0, half, weights);
+  }
 
   const long long position = decode_position<SOURCE>(p, token);
   float cos_v[P], sin_v[P];
@@ -78,9 +92,16 @@ __device__ __forceinline__ void rope_fused_decode_thread(const DecodeParams& p,
       cache_offset = slot.k_base + static_cast<long long>(d.h) * f.k_cache_head_stride;
     }
   }
-  lean_rotate_store<T, P, INTERLEAVED, NORM, CACHE, W>(
-      f, chunk, pair0, half, is_q ? f.q_weight : f.k_weight, f.weight_offset, rms_scale, cos_v,
-      sin_v, !is_q, is_q ? p.q_out : p.k_out, d.out_offset, cache_offset);
+  void* const out = is_q ? p.q_out : p.k_out;
+  if constexpr (kWeightsFirst) {
+    lean_rotate_store<T, P, INTERLEAVED, NORM, CACHE, W>(f, chunk, pair0, half, weights,
+                                                         f.weight_offset, rms_scale, cos_v, sin_v,
+                                                         !is_q, out, d.out_offset, cache_offset);
+  } else {
+    lean_rotate_store<T, P, INTERLEAVED, NORM, CACHE, W>(f, chunk, pair0, half, head_weights,
+                                                         f.weight_offset, rms_scale, cos_v, sin_v,
+                                                         !is_q, out, d.out_offset, cache_offset);
+  }
 }
 
 // The body for the weights' dtype, as rope_fused_lean_body: the q dtype at compile time, any

@@ -201,13 +201,41 @@ __device__ __forceinline__ void lean_store(const F& f, void* base, Index offset,
   }
 }
 
+// The norm weights of a lane's chunk as float32, loaded ahead of the head's reduction (the fused
+// decode kernel: one head a thread, so nothing else hides their load): w1 / w2 those of the
+// pairs' first / second elements.
+template <int P>
+struct LaneWeights {
+  float w1[P], w2[P];
+};
+
+template <typename W, int P, bool INTERLEAVED, typename F>
+__device__ __forceinline__ void load_chunk_weights(const F& f, const void* w, int pair0, int half,
+                                                   LaneWeights<P>& out) {
+  if constexpr (INTERLEAVED) {
+    float all[2 * P];
+    load_lane_weights<W>(f, w, 2 * pair0, all);
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      out.w1[i] = all[2 * i];
+      out.w2[i] = all[2 * i + 1];
+    }
+  } else {
+    load_lane_weights<W>(f, w, pair0, out.w1);
+    load_lane_weights<W>(f, w, half + pair0, out.w2);
+  }
+}
+
 // One head's chunk: normalised (NORM: x * (rms_scale * (weight_offset + w)), the product as one
 // fma), rotated (sin carries the sign already) and stored to the output row and, for a k head
-// with a cache slot, to its k cache row.
-template <typename T, int P, bool INTERLEAVED, bool NORM, bool CACHE, typename W, typename F>
+// with a cache slot, to its k cache row. `head_weights`: the head's norm weights, loaded here
+// (a pointer: the lean kernel, whose registers do not hold them through the reduction) or
+// already (LaneWeights<P>).
+template <typename T, int P, bool INTERLEAVED, bool NORM, bool CACHE, typename W, typename F,
+          typename Weights>
 __device__ __forceinline__ void lean_rotate_store(const F& f,
                                                   const LeanChunk<T, INTERLEAVED>& chunk,
-                                                  int pair0, int half, const void* head_weights,
+                                                  int pair0, int half, const Weights& head_weights,
                                                   float weight_offset, float rms_scale,
                                                   const float (&cos_v)[P], const float (&sin_v)[P],
                                                   bool is_k, void* out, int out_offset,
@@ -215,7 +243,14 @@ __device__ __forceinline__ void lean_rotate_store(const F& f,
   constexpr int E = INTERLEAVED ? 2 * P : P;  // elements of one 16-byte access
   float x1[P], x2[P];
   chunk.pairs(x1, x2);
-  if constexpr (NORM) {
+  if constexpr (NORM && IsSame<Weights, LaneWeights<P>>::value) {
+    const float scaled_offset = rms_scale * weight_offset;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      x1[i] *= fmaf(head_weights.w1[i], rms_scale, scaled_offset);
+      x2[i] *= fmaf(head_weights.w2[i], rms_scale, scaled_offset);
+    }
+  } else if constexpr (NORM) {
     const float scaled_offset = rms_scale * weight_offset;
     if constexpr (INTERLEAVED) {
       float w[E];
