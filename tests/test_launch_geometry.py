@@ -188,3 +188,64 @@ def test_computed_decode_only_where_it_pays():
     assert applies(1) and applies(limit) and not applies(limit + 1)
     assert not applies(1, np.float64)
     assert not applies(1, arithmetic="float-float") and not applies(1, arithmetic=None)
+
+
+def _fused_launch(op, T, D=128, hq=32, hk=8, dtype=np.float32, positions=None, **rope):
+    """plan_launch of a fused call on NumPy arrays (host addresses stand in for device ones):
+    ``op`` "norm", "cache" or "norm+cache"."""
+    from cupyrope.core.arrays import describe
+    from cupyrope.core.fused_plan import plan_fused
+
+    q, k = np.zeros((T, hq, D), dtype), np.zeros((T, hk, D), dtype)
+    fusion = {}
+    if "norm" in op:
+        fusion.update(norm=True, q_weight=np.ones(D, dtype), k_weight=np.ones(D, dtype), eps=1e-6)
+    if "cache" in op:
+        fusion.update(v=np.zeros((T, hk, D), dtype), k_cache=np.zeros((64, 16, hk, D), dtype),
+                      v_cache=np.zeros((64, 16, hk, D), dtype), slot_mapping=np.arange(T))
+    rope = rope or dict(cos_sin_cache=np.zeros((4096, D), np.float32))
+    plan = plan_fused("rms_norm_rope" if op == "norm" else "rope_and_cache", q, k,
+                      np.arange(T) if positions is None else positions, validate=False,
+                      rope=dict(rope, inplace=False), fusion=fusion)
+    outputs = [describe(np.zeros(q.shape, dtype), "q_out"), describe(np.zeros(k.shape, dtype),
+                                                                     "k_out")]
+    return launch.plan_launch(plan, outputs, num_regs=lambda spec: 64, multiprocessors=132,
+                              angle_arithmetic="float64"), plan
+
+
+@pytest.mark.parametrize("op", ["norm", "cache", "norm+cache"])
+def test_fused_decode_kernel_takes_few_tokens_of_the_lean_fused_layout(op):
+    """The fused ops run the fused decode kernel up to FUSED_DECODE_MAX_TOKENS tokens
+    (FUSED_DECODE_MAX_NORM_TOKENS with the norm), one thread row per q, k and v head, with its
+    compact parameters; more tokens take the lean fused kernel."""
+    most = launch.FUSED_DECODE_MAX_NORM_TOKENS if "norm" in op else launch.FUSED_DECODE_MAX_TOKENS
+    v_heads = 8 if "cache" in op else 0
+    for T in (1, most):
+        spec, plan = _fused_launch(op, T)
+        assert spec.kernel.decode and spec.kernel.fused and spec.kernel.lean, T
+        assert "rope_fused_decode_kernel" in spec.kernel.name_expression
+        assert (spec.kernel.norm, spec.kernel.cache) == ("norm" in op, "cache" in op)
+        (chunks, block_y, one), (tokens, grid_y) = spec.block, spec.grid
+        assert chunks == 16 and one == 1 and tokens == T  # float32: 64 pairs, 4 a chunk
+        assert block_y * grid_y >= 32 + 8 + v_heads and chunks * block_y <= 256
+        assert spec.params.dtype == launch.DECODE_PARAMS_DTYPE
+        assert spec.fusion_params.dtype == launch.FUSED_DECODE_PARAMS_DTYPE
+        f = spec.fusion_params
+        assert int(f["num_v_heads"]) == v_heads and float(f["eps"]) == (
+            np.float32(1e-6) if "norm" in op else 0.0)
+        if "cache" in op:
+            assert int(f["k_cache"]) == plan.fusion.k_cache.ptr and int(f["block_size"]) == 16
+            assert int(f["k_cache_slot_stride"]) == 8 * 128  # NHD: a slot's heads side by side
+    spec, _ = _fused_launch(op, most + 1)
+    assert spec.kernel.lean and not spec.kernel.decode
+
+
+def test_fused_decode_kernel_needs_a_power_of_two_of_chunks_and_no_mrope():
+    """Heads of 96 float32 dims (12 chunks: the norm's shuffles need a power of two) and M-RoPE
+    positions stay on the lean fused kernel at any T."""
+    spec, _ = _fused_launch("norm", 4, D=96)
+    assert spec.kernel.lean and not spec.kernel.decode
+    spec, plan = _fused_launch("cache", 4, positions=np.zeros((3, 4), np.int64),
+                               cos_sin_cache=np.zeros((4096, 128), np.float32),
+                               scaling={"rope_type": "default", "mrope_section": [16, 24, 24]})
+    assert plan.mrope_mode and spec.kernel.lean and spec.kernel.mrope and not spec.kernel.decode
