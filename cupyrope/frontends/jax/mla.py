@@ -316,11 +316,13 @@ def _latent_cache_write(mla: MlaPlan, named: dict, k_pe, kv_scale) -> dict:
     valid = (slots >= 0) & (slots < mla.num_blocks * mla.block_size)
     blocks = jnp.where(valid, slots // mla.block_size, mla.num_blocks)
     rows = jnp.where(valid, slots % mla.block_size, 0)
-    entries = jnp.concatenate([named["kv_c"].astype(jnp.float32), k_pe], axis=-1)
-    stored = _stored(entries, numpy_dtype(mla.cache_dtype or mla.rope.q.dtype), kv_scale)
-    rank = named["kv_c"].shape[-1]
-    parts = {"kv_cache": stored} if "kpe_cache" not in named else {
-        "kv_cache": stored[:, :rank], "kpe_cache": stored[:, rank:]}
+    dtype = numpy_dtype(mla.cache_dtype or mla.rope.q.dtype)
+    kv_c = named["kv_c"].astype(jnp.float32)
+    if "kpe_cache" in named:  # each part stored on its own (the store is element by element)
+        parts = {"kv_cache": _stored(kv_c, dtype, kv_scale),
+                 "kpe_cache": _stored(k_pe, dtype, kv_scale)}
+    else:
+        parts = {"kv_cache": _stored(jnp.concatenate([kv_c, k_pe], axis=-1), dtype, kv_scale)}
     new = {}
     for name, values in parts.items():
         cache = named[name]
