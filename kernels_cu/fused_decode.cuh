@@ -6,14 +6,16 @@
 // bank, each a constant-cache miss at a kernel's first read: at T = 1 it took 1.9-2.5x the
 // plain decode kernel.
 //
-// Launch (launch.fused_decode_geometry): blockDim.x = the chunks of a head (a power of two of at
-// most 32 with the norm: lanes_sum shuffles over them), blockDim.y = the heads of q, k, then
-// (CACHE) v, split over gridDim.y; blockIdx.x = the token. The lean fused kernel's layout
-// (launch.fused_lean_applies) without M-RoPE: every dim rotated, 16-byte accesses, 32-bit offsets.
+// Launch (launch.fused_decode_applies, launch.decode_geometry with the v heads): blockDim.x = the
+// chunks of a head (a power of two of at most 32: the norm's lanes_sum shuffles over them),
+// blockDim.y = the heads of q, k, then (CACHE) v, split over gridDim.y; blockIdx.x = the token.
+// The lean fused kernel's layout (launch.fused_lean_applies) without M-RoPE: every dim rotated,
+// 16-byte accesses, 32-bit offsets.
 //
 // A v head's lanes copy its chunks into the v cache; q and k heads load their chunk first, then
-// the position, the slot (k only) and cos / sin, so the loads overlap; with computed angles every
-// lane of a warp, v or without a head, takes its share of its warp's angles (decode.cuh).
+// the slot (k only), the norm weights, the position and cos / sin, so the loads overlap; with
+// computed angles every lane of a warp, v or without a head, takes its share of its warp's
+// angles (decode.cuh).
 #pragma once
 
 #include "decode.cuh"
