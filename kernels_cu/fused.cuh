@@ -100,7 +100,7 @@ __device__ __forceinline__ void store_value_words(void* base, Index offset, cons
     if constexpr (sizeof(T) == 2) {
       unsigned int words[N / 2];
 #pragma unroll
-      for (int i = 0; i < N / 2; ++i) words[i] = Store<T>::pair(v[2 * i], v[2 * i + 1]);
+      for (int i = 0; i < N / 2; ++i) words[i] = store_pair<T>(v[2 * i], v[2 * i + 1]);
       store_words<N / 2>(static_cast<T*>(base) + offset, words);
     } else {
       unsigned int words[N];

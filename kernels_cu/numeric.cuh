@@ -55,18 +55,6 @@ template <> struct Store<half_t> {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
     return h;
   }
-  // Two values in one 32-bit word, `low` in the low half: one conversion instruction from
-  // compute capability 8.0, rounded as `from` rounds each.
-  __device__ __forceinline__ static unsigned int pair(float low, float high) {
-#if __CUDA_ARCH__ >= 800
-    unsigned int word;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(word) : "f"(high), "f"(low));
-    return word;
-#else
-    return static_cast<unsigned int>(from(low).bits) |
-           (static_cast<unsigned int>(from(high).bits) << 16);
-#endif
-  }
 };
 template <> struct Store<bfloat16_t> {
   __device__ __forceinline__ static bfloat16_t from(float x) {
@@ -85,18 +73,25 @@ template <> struct Store<bfloat16_t> {
 #endif
     return b;
   }
-  // Two values in one 32-bit word, as Store<half_t>::pair.
-  __device__ __forceinline__ static unsigned int pair(float low, float high) {
-#if __CUDA_ARCH__ >= 800
-    unsigned int word;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(word) : "f"(high), "f"(low));
-    return word;
-#else
-    return static_cast<unsigned int>(from(low).bits) |
-           (static_cast<unsigned int>(from(high).bits) << 16);
-#endif
-  }
 };
+
+// Two values rounded to T (half_t or bfloat16_t) in one 32-bit word, `low` in the low half: one
+// conversion instruction from compute capability 8.0, rounded as Store<T>::from rounds each.
+template <typename T>
+__device__ __forceinline__ unsigned int store_pair(float low, float high) {
+#if __CUDA_ARCH__ >= 800
+  unsigned int word;
+  if constexpr (IsHalf<T>::value) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(word) : "f"(high), "f"(low));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(word) : "f"(high), "f"(low));
+  }
+  return word;
+#else
+  return static_cast<unsigned int>(Store<T>::from(low).bits) |
+         (static_cast<unsigned int>(Store<T>::from(high).bits) << 16);
+#endif
+}
 
 template <typename C> __device__ __forceinline__ C quiet_nan();
 template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
