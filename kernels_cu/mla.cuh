@@ -128,7 +128,9 @@ struct MlaTarget {
 
 template <typename T, bool VECTOR, int N>
 __device__ __forceinline__ void mla_store(const MlaTarget& t, long long at, const float (&v)[N]) {
-  if (t.base != nullptr) mla_store_values<T, VECTOR>(t.base, t.offset + at, v, t.format, t.inv_scale);
+  if (t.base != nullptr) {
+    mla_store_values<T, VECTOR>(t.base, t.offset + at, v, t.format, t.inv_scale);
+  }
 }
 
 template <typename T, bool VECTOR, bool INTERLEAVED, int P, int A>

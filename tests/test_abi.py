@@ -112,7 +112,8 @@ def _layout_source() -> str:
     # The fused decode kernel's struct leads with FusionParams' nine data pointers at the same
     # offsets: the repeat-call path writes them into either.
     for name in FUSED_DECODE_PARAMS_DTYPE.names[:9]:
-        assert FUSED_DECODE_PARAMS_DTYPE.fields[name][1] == FUSION_PARAMS_DTYPE.fields[name][1], name
+        offset = FUSION_PARAMS_DTYPE.fields[name][1]
+        assert FUSED_DECODE_PARAMS_DTYPE.fields[name][1] == offset, name
     for struct, dtype in (("RopeParams", PARAMS_DTYPE), ("FusionParams", FUSION_PARAMS_DTYPE),
                           ("FusedDecodeParams", FUSED_DECODE_PARAMS_DTYPE)):
         for name in dtype.names:
