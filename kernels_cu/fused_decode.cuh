@@ -13,7 +13,8 @@
 // 16-byte accesses, 32-bit offsets.
 //
 // A v head's lanes copy its chunks into the v cache; q and k heads load their chunk first, then
-// the slot (k only), the norm weights, the position and cos / sin, so the loads overlap; with
+// (with the cache write) the position and the slot (k only), the norm weights, (else) the
+// position, and cos / sin, so the loads overlap; with
 // computed angles every lane of a warp, v or without a head, takes its share of its warp's
 // angles (decode.cuh).
 #pragma once
@@ -32,11 +33,15 @@ __device__ __forceinline__ void rope_fused_decode_thread(const DecodeParams& p,
 
   const int head = static_cast<int>(blockIdx.y * ntid_y() + tid_y());
   const int num_rotated = p.num_heads;
-  const int num_heads = num_rotated + (CACHE ? f.num_v_heads : 0);
-  // An uneven split of the heads over blocks leaves threads without a head (as in decode.cuh).
-  const bool has_head = head < num_heads;
-  if (!kComputed && !has_head) return;
+  // Whether the thread rotates a head is known from DecodeParams: its chunk and its token's
+  // position load before anything of FusedDecodeParams is read (a line of the constant bank
+  // that a kernel's first read misses: read first, the v heads' count delayed every load).
+  // With computed angles the count of heads with v is read here (later, the changed register
+  // allocation spilled 4-8 bytes on sm_120); these launches wait on the angles anyway.
+  bool has_head = head < num_rotated;
+  if constexpr (CACHE && kComputed) has_head = head < num_rotated + f.num_v_heads;
   const bool rotated = has_head && head < num_rotated;
+  if (!kComputed && !CACHE && !rotated) return;
   const int token = static_cast<int>(blockIdx.x);
   const int half = static_cast<int>(ntid_x()) * P;
   const int pair0 = static_cast<int>(tid_x()) * P;
@@ -50,8 +55,20 @@ __device__ __forceinline__ void rope_fused_decode_thread(const DecodeParams& p,
   wait_for_previous_grid();
   LeanChunk<T, INTERLEAVED> chunk;
   if (rotated) chunk.load(in, pair0, half);
+  // With the cache write and a table the position loads next, before the slot and the v head's
+  // copy; without the cache write after the norm weights (H100, T = 1: rope_and_cache 1.31 ->
+  // 1.25 us; rms_norm_rope 1.49 -> 1.57 us if early). Computed angles take it late: held
+  // through the v heads' fp8 stores (a call for the scale's reciprocal), it spilled on sm_120.
+  constexpr bool kPositionFirst = CACHE && !kComputed;
+  long long position = 0;
+  if constexpr (kPositionFirst) {
+    if (rotated) position = decode_position<SOURCE>(p, token);
+  }
   SlotRows slot{-1, -1};
   if constexpr (CACHE) {
+    // An uneven split of the heads over blocks leaves threads without a head (as in decode.cuh).
+    if constexpr (!kComputed) has_head = head < num_rotated + f.num_v_heads;
+    if (!kComputed && !has_head) return;
     if (has_head && !is_q) slot = slot_rows(f, static_cast<long long>(token));
     if (has_head && !rotated) {  // a v head: its row into the v cache, nothing else
       const int head_chunks = 2 * half / Words<T>::count;
@@ -63,8 +80,9 @@ __device__ __forceinline__ void rope_fused_decode_thread(const DecodeParams& p,
   // The norm weights now, after the chunk: their load then overlaps the position's and the
   // table's (the lean kernel loads them after the head's reduction). Not with computed angles,
   // nor before compute capability 8.9: there the angles' slow range reduction or the fp8
-  // stores are calls, across which held weights spilled 8-32 bytes.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // stores are calls, across which held weights spilled 8-32 bytes; nor on sm_120, where they
+  // spilled 4 bytes across the fp8 scale's reciprocal (a call) in four specialisations.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && __CUDA_ARCH__ < 1200
   constexpr bool kWeightsFirst = NORM && !kComputed;
 #else
   constexpr bool kWeightsFirst = false;
@@ -75,7 +93,7 @@ __device__ __forceinline__ void rope_fused_decode_thread(const DecodeParams& p,
     if (rotated) load_chunk_weights<W, P, INTERLEAVED>(f, head_weights, pair0, half, weights);
   }
 
-  const long long position = decode_position<SOURCE>(p, token);
+  if constexpr (!kPositionFirst) position = decode_position<SOURCE>(p, token);
   float cos_v[P], sin_v[P];
   decode_angles<float, TableT, SOURCE, P>(p, token, position, pair0, half, cos_v, sin_v);
   if (!rotated) return;
@@ -106,18 +124,14 @@ __device__ __forceinline__ void rope_fused_decode_thread(const DecodeParams& p,
   }
 }
 
-// The body for the weights' dtype, as rope_fused_lean_body: the q dtype at compile time, any
-// other through a run-time switch; without a norm, once.
+// The body: norm weights of q's dtype (launch.fused_decode_applies leaves other weight dtypes
+// to the lean fused kernel). A run-time check of the weights' dtype, as rope_fused_lean_body
+// makes, read a line of FusedDecodeParams before any load; reading the dtype where the weights
+// load instead (RuntimeWeights) cost 0.4 us at T = 1.
 template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool NORM, bool CACHE>
 __device__ __forceinline__ void rope_fused_decode_body(const DecodeParams& p,
                                                        const FusedDecodeParams& f) {
-  if constexpr (NORM) {
-    if (f.weight_dtype == WeightDtypeOf<T>::value) {
-      rope_fused_decode_thread<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, T>(p, f);
-      return;
-    }
-  }
-  rope_fused_decode_thread<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, RuntimeWeights>(p, f);
+  rope_fused_decode_thread<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, T>(p, f);
 }
 
 }  // namespace cupyrope

@@ -104,7 +104,9 @@ def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kern
     number of chunks) and the lean fused kernel with more, each compiled for the fusions of the
     call; the general fused kernel, forced onto the same call, gives results within the same
     bounds. Head sizes of 96 leave lanes without a chunk on the lean kernel (the norm's lanes
-    are a power of two) and stay off the decode kernel."""
+    are a power of two) and stay off the decode kernel. The decode kernel reads norm weights of
+    q's dtype (the lean kernels take float32 ones here; test_launch_geometry checks that other
+    weight dtypes leave the decode kernel)."""
     from cupyrope.cuda import launch
     from cupyrope.core.arrays import cupy_module
     from cupyrope.cuda.compiler import angle_arithmetic
@@ -122,8 +124,9 @@ def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kern
     q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
     k = (rng.standard_normal((T, Hk, D)) * 3).astype(np_dtype(dtype))
     v = rng.standard_normal((T, Hk, D)).astype(np_dtype(dtype))
-    w = {"q": rng.uniform(0.5, 1.5, D).astype(np.float32),
-         "k": rng.uniform(0.5, 1.5, D).astype(np.float32)}
+    weight_dtype = np_dtype(dtype) if kernel == "decode" else np.float32
+    w = {"q": rng.uniform(0.5, 1.5, D).astype(weight_dtype),
+         "k": rng.uniform(0.5, 1.5, D).astype(weight_dtype)}
     lib, ref_kw, _ = angle_source(source, (T,), positions, D, interleaved=interleaved)
     angles = {name: backend.put(x) if isinstance(x, np.ndarray) else x for name, x in lib.items()}
     norm_kw = ({"q_weight": backend.put(w["q"]), "k_weight": backend.put(w["k"]), "eps": 1e-6}

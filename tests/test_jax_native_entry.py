@@ -45,13 +45,13 @@ def _rope(tokens, hq, hk, d, dtype, source, positions=None, **options):
     return plan, avals, [avals["q"], avals["k"]]
 
 
-def _fused(where, tokens, dtype, scaling=None, rotary_dim=128, **fusion):
+def _fused(where, tokens, dtype, scaling=None, rotary_dim=128, weight_dtype="float32", **fusion):
     shapes = dict(q=((tokens, 8, 128), dtype), k=((tokens, 2, 128), dtype),
                   positions=((3, tokens) if scaling else (tokens,), "int32"))
     if scaling is None:
         shapes["cos_sin_cache"] = ((MAX_POSITION, rotary_dim), "float32")
     if where == "rms_norm_rope":
-        shapes.update(q_weight=((128,), "float32"), k_weight=((128,), "float32"))
+        shapes.update(q_weight=((128,), weight_dtype), k_weight=((128,), weight_dtype))
     if where == "rope_and_cache":
         shapes.update(v=((tokens, 2, 128), dtype), k_cache=((16, 8, 2, 128), dtype),
                       v_cache=((16, 8, 2, 128), dtype), slot_mapping=((tokens,), "int32"))
@@ -96,7 +96,12 @@ CASES = {
     "fused_cache_lean": (lambda: _fused("rope_and_cache", 3000, "float16"),
                          "rope_fused_lean_kernel"),
     "fused_norm_decode": (lambda: _fused("rms_norm_rope", 5, "bfloat16", norm=True, eps=1e-6,
-                                         weight_offset=1.0), "rope_fused_decode_kernel"),
+                                         weight_offset=1.0, weight_dtype="bfloat16"),
+                          "rope_fused_decode_kernel"),
+    # The fused decode kernel reads weights of q's dtype: float32 ones take the lean kernel.
+    "fused_norm_float32_weights": (lambda: _fused("rms_norm_rope", 5, "bfloat16", norm=True,
+                                                  eps=1e-6, weight_offset=1.0),
+                                   "rope_fused_lean_kernel"),
     "fused_lean_mrope": (lambda: _fused("rms_norm_rope", 40, "bfloat16", eps=1e-6,
                                         weight_offset=0.0,
                                         scaling={"rope_type": "default",

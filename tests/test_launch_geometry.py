@@ -2,6 +2,7 @@
 and the lanes are not padded to a power of two (but for plain in-place launches of uneven
 lanes). (No GPU needed: the SM count is given.)"""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -190,16 +191,19 @@ def test_computed_decode_only_where_it_pays():
     assert not applies(1, arithmetic="float-float") and not applies(1, arithmetic=None)
 
 
-def _fused_launch(op, T, D=128, hq=32, hk=8, dtype=np.float32, positions=None, **rope):
+def _fused_launch(op, T, D=128, hq=32, hk=8, dtype=np.float32, positions=None,
+                  weight_dtype=None, **rope):
     """plan_launch of a fused call on NumPy arrays (host addresses stand in for device ones):
-    ``op`` "norm", "cache" or "norm+cache"."""
+    ``op`` "norm", "cache" or "norm+cache"; norm weights of ``weight_dtype`` (default q's)."""
     from cupyrope.core.arrays import describe
     from cupyrope.core.fused_plan import plan_fused
 
     q, k = np.zeros((T, hq, D), dtype), np.zeros((T, hk, D), dtype)
     fusion = {}
     if "norm" in op:
-        fusion.update(norm=True, q_weight=np.ones(D, dtype), k_weight=np.ones(D, dtype), eps=1e-6)
+        w_dtype = dtype if weight_dtype is None else weight_dtype
+        fusion.update(norm=True, q_weight=np.ones(D, w_dtype), k_weight=np.ones(D, w_dtype),
+                      eps=1e-6)
     if "cache" in op:
         fusion.update(v=np.zeros((T, hk, D), dtype), k_cache=np.zeros((64, 16, hk, D), dtype),
                       v_cache=np.zeros((64, 16, hk, D), dtype), slot_mapping=np.arange(T))
@@ -238,6 +242,20 @@ def test_fused_decode_kernel_takes_few_tokens_of_the_lean_fused_layout(op):
             assert int(f["k_cache_slot_stride"]) == 8 * 128  # NHD: a slot's heads side by side
     spec, _ = _fused_launch(op, most + 1)
     assert spec.kernel.lean and not spec.kernel.decode
+
+
+@pytest.mark.parametrize("op", ["norm", "norm+cache"])
+def test_fused_decode_kernel_reads_norm_weights_of_q_dtype(op):
+    """The fused decode kernel reads the norm weights as q's dtype; weights of another dtype
+    (float32 weights with bfloat16 q) take the lean fused kernel, which converts any."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    spec, _ = _fused_launch(op, 1, dtype=bf16)
+    assert spec.kernel.decode and spec.kernel.norm
+    for q_dtype, w_dtype in ((bf16, np.float32), (bf16, np.float16), (np.float32, bf16)):
+        spec, _ = _fused_launch(op, 1, dtype=q_dtype, weight_dtype=w_dtype)
+        assert spec.kernel.lean and spec.kernel.norm and not spec.kernel.decode, (q_dtype, w_dtype)
+    spec, _ = _fused_launch("cache", 1, dtype=bf16, weight_dtype=np.float32)  # no norm: no weights
+    assert spec.kernel.decode
 
 
 def test_fused_decode_kernel_needs_a_power_of_two_of_chunks_and_no_mrope():

@@ -605,10 +605,13 @@ def fused_decode_applies(plan: RopePlan, *, pairs: int, angle_arithmetic: str | 
     """Whether the fused decode kernel runs a launch that the lean fused kernel would: few tokens,
     no M-RoPE, the chunks of a head a power of two (the norm sums over them with shuffles), and
     with computed angles where they pay on a decode kernel (``computed_decode_pays``) and its
-    warps' angles fit the shared memory a launch may use without opting in."""
+    warps' angles fit the shared memory a launch may use without opting in. Norm weights must
+    have q's dtype (the kernel reads them as that type; the lean fused kernel takes any)."""
     chunks = (plan.rotary_dim // 2) // pairs
     most = FUSED_DECODE_MAX_NORM_TOKENS if plan.fusion.norm else FUSED_DECODE_MAX_TOKENS
     if plan.mrope_mode or plan.num_tokens > most or chunks & (chunks - 1) or chunks > 32:
+        return False
+    if plan.fusion.norm and plan.fusion.q_weight.dtype != plan.q.dtype:
         return False
     if plan.source == AngleSource.COMPUTED:
         if not computed_decode_pays(plan, angle_arithmetic):
