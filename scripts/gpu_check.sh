@@ -5,12 +5,14 @@
 #     bash scripts/gpu_check.sh
 #
 # It prints the GPU and the versions in use, installs this checkout in editable mode (or falls back
-# to PYTHONPATH), runs the GPU-relevant test suite in parallel (every test marked gpu, plus the
-# NVRTC compile and ABI tests under this machine's NVRTC; the pure CPU tests are CI's), times the
+# to PYTHONPATH), compiles every kernel specialisation for this GPU with this machine's NVRTC (the
+# kernel cache; a specialisation that fails to compile fails the check), runs the GPU test suite
+# in parallel (every test marked gpu, plus the ABI tests under this machine's NVRTC; the pure CPU
+# tests and the NVRTC builds of every architecture with their spill checks are CI's), times the
 # first call of a new process with a cold and with a warm CuPy kernel cache, runs the benchmarks,
-# and prints a summary table last. The exit status is pytest's. On an H200 (16 cores, 460923d):
-# setup and the kernel cache 50 s, the suite 128 s, the torch.compile pre-step 64 s, the
-# benchmarks 146 s: 391 s in all (the pre-step run beside the suite slowed it by 90 s instead).
+# and prints a summary table last. The exit status is pytest's, or 1 when the kernel cache
+# failed. On an H100 (16 cores, 2026-11-27): setup 15 s, kernel cache and torch.compile pre-step
+# 116 s, the suite 145 s, the benchmarks 145 s: 423 s in all.
 #
 # Files written to ${OUT:-/tmp} (the device tool returns at most 8): pytest.log, pytest.xml (times),
 # first_call_{cold,warm}.log, and, when they run, bench.log, bench_summary.md, bench.json, sweep/ (table, JSON,
@@ -20,8 +22,11 @@
 #   GPU_CHECK_SUITE=0             skip the test suite (e.g. for a sanitizer-only run)
 #   GPU_CHECK_WORKERS=N           pytest-xdist workers for the suite (default: nproc; GPU tests share
 #                                 the one GPU)
-#   CUPYROPE_COMPILE_ARCHS=sm_90  the architectures the NVRTC compile tests build (default: this
-#                                 GPU's; "" for all four, as CI)
+#   GPU_CHECK_NVRTC=1             also run the NVRTC build tests (tests/test_kernel_compile.py:
+#                                 lowering, spills, FP64-free float-float PTX) under this machine's
+#                                 NVRTC; ~60 s more on 16 cores
+#   CUPYROPE_COMPILE_ARCHS=sm_90  the architectures those builds cover (default: this GPU's; "" for
+#                                 all four, as CI; "none" without GPU_CHECK_NVRTC)
 #   GPU_CHECK_BENCH=0             skip the benchmarks
 #   GPU_CHECK_BENCH_TIMEOUT=240   seconds the timed pytest benchmarks may take at most
 #   GPU_CHECK_BENCH_PRECOMPILE=0  skip compiling the torch.compile peers on every core first
@@ -115,10 +120,16 @@ fi
 
 # ------------------------------------------------------------------------------------------------
 # Every specialisation compiled once, one process per core, before the tests start: else several
-# pytest workers compile the same kernels at once on their first calls.
+# pytest workers compile the same kernels at once on their first calls. This is also the check
+# that every specialisation compiles with this machine's NVRTC for this GPU.
+KERNEL_CACHE="not run"
+KERNEL_CACHE_STATUS=0
 if [[ "${GPU_CHECK_SUITE:-1}" != 0 || "${GPU_CHECK_SANITIZER:-0}" == 1 ]]; then
     section "kernel cache: python -m cupyrope compile"
-    "${PY}" -m cupyrope compile 2>&1 | tail -n 3
+    "${PY}" -m cupyrope compile >/tmp/kernel_cache.log 2>&1
+    KERNEL_CACHE_STATUS=$?
+    tail -n 3 /tmp/kernel_cache.log
+    KERNEL_CACHE="$(tail -n 1 /tmp/kernel_cache.log) (exit ${KERNEL_CACHE_STATUS})"
 fi
 
 PYTEST_STATUS=0
@@ -139,13 +150,16 @@ if [[ "${GPU_CHECK_SUITE:-1}" != 0 ]]; then
         echo "(pytest-xdist is not installed: running on one worker)"
     fi
     # The GPU-relevant suite: tests marked gpu, and the NVRTC tests (this machine's NVRTC may
-    # differ from CI's) for this GPU's architecture: CI builds every architecture, and the
-    # other three would take the suite's workers for minutes. The pure NumPy-path tests run in CI.
-    if [[ -z "${CUPYROPE_COMPILE_ARCHS+set}" ]]; then
+    # differ from CI's). Their builds of every specialisation repeat the kernel cache's compile
+    # (with ptxas' report), so they run only with GPU_CHECK_NVRTC=1, for this GPU's architecture:
+    # CI builds every architecture. The pure NumPy-path tests run in CI.
+    if [[ "${GPU_CHECK_NVRTC:-0}" != 1 ]]; then
+        export CUPYROPE_COMPILE_ARCHS=none
+    elif [[ -z "${CUPYROPE_COMPILE_ARCHS+set}" ]]; then
         CUPYROPE_COMPILE_ARCHS="$("${PY}" -c 'import cupy; d = cupy.cuda.Device(0); print("sm_" + d.compute_capability)' 2>/dev/null)"
         export CUPYROPE_COMPILE_ARCHS
     fi
-    echo "NVRTC builds for: ${CUPYROPE_COMPILE_ARCHS:-every architecture}"
+    echo "NVRTC builds for: ${CUPYROPE_COMPILE_ARCHS:-every architecture} (GPU_CHECK_NVRTC=1 runs them)"
     "${PY}" -m pytest tests -m "gpu or nvrtc" -q -rfEs --maxfail=25 --durations=12 ${XDIST_ARGS[@]+"${XDIST_ARGS[@]}"} \
         --junitxml="${OUT_DIR}/pytest.xml" \
         ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} -p no:cacheprovider 2>&1 | tee "${OUT_DIR}/pytest.log"
@@ -243,12 +257,14 @@ elif [[ -d benchmarks ]]; then
     # torch.compile of the unfused sequences takes most of the benchmarks' time when done one
     # case after another. Compiling them first on every core (pytest-benchmark times nothing
     # under xdist: each case runs once) leaves Inductor's FX-graph and Triton caches on disk for
-    # the timed run, which then only traces. Its failures do not count: the timed run is the check.
+    # the timed run, which then only traces (each case compiles one graph for its own shapes:
+    # cupyrope.bench compiles with dynamic=False). Its failures do not count: the timed run is
+    # the check. (Run beside the kernel cache instead, both took as long as one after the other.)
     if [[ "${GPU_CHECK_BENCH_PRECOMPILE:-1}" == 1 ]] && "${PY}" -c 'import xdist' 2>/dev/null; then
         section "benchmarks: torch.compile caches, one worker per core"
-        timeout --signal=INT --kill-after=15 "${GPU_CHECK_BENCH_PRECOMPILE_TIMEOUT:-120}" \
+        timeout --signal=INT --kill-after=15 "${GPU_CHECK_BENCH_PRECOMPILE_TIMEOUT:-150}" \
             "${PY}" -m pytest benchmarks -k compile -n "${GPU_CHECK_WORKERS:-$(nproc)}" -q \
-            -p no:cacheprovider 2>&1 | tail -n 2
+            -p no:cacheprovider --durations=3 2>&1 | tail -n 6
     fi
     section "benchmarks"
     budget="${GPU_CHECK_BENCH_TIMEOUT:-240}"
@@ -307,6 +323,7 @@ seconds() { if [[ "$1" =~ ^[0-9.]+$ ]]; then echo "$1 s"; else echo "${1:-failed
 echo "------------------------------------------------------------------------------"
 row "GPU" "${GPU_NAME:-unknown}"
 row "install" "${INSTALL}"
+row "kernel cache (this GPU, NVRTC)" "${KERNEL_CACHE}"
 row "tests passed / failed / skipped" "$(count passed) / $(count failed) / $(count skipped)   (errors $(count 'errors?'))"
 row "pytest summary" "${SUMMARY_LINE:-(no summary line; see pytest.log)}"
 row "cold compile: import + 1st call" "$(seconds "${COLD_S}")"
@@ -316,4 +333,7 @@ row "compute-sanitizer memcheck" "${MEMCHECK}"
 row "compute-sanitizer racecheck" "${RACECHECK}"
 row "pytest exit status" "${PYTEST_STATUS}"
 echo "------------------------------------------------------------------------------"
+if [[ ${PYTEST_STATUS} -eq 0 && ${KERNEL_CACHE_STATUS} -ne 0 ]]; then
+    exit 1
+fi
 exit "${PYTEST_STATUS}"

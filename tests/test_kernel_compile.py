@@ -124,7 +124,9 @@ def _build_id(build) -> str:
 
 def _architectures_asked() -> tuple[str, ...]:
     """The architectures ``CUPYROPE_COMPILE_ARCHS`` (e.g. ``sm_90``) narrows the builds to; all when
-    unset. The GPU check builds for its own GPU only: CI builds every architecture."""
+    unset, none for a name that is no architecture (``none``: the GPU check's default, whose kernel
+    cache step compiles every specialisation for its GPU; with ``GPU_CHECK_NVRTC=1`` it builds for
+    its own GPU here too). CI builds every architecture."""
     asked = os.environ.get("CUPYROPE_COMPILE_ARCHS", "").replace(",", " ").split()
     return tuple(asked) or ARCHITECTURES
 

@@ -285,7 +285,10 @@ def _compiled(op: str, rope=hf_rope):
     import torch
 
     compiled_hf_rope()  # raises dynamo's recompile limit for the many shapes benchmarked
-    return torch.compile(unfused(op, rope))  # dynamic after the second T: two compiles
+    # One graph per shape, as a user compiling the unfused sequence for a served shape gets. With
+    # automatic dynamic shapes the graph a case gets would depend on the shapes compiled before it
+    # in the same process, so the GPU check's parallel compile pass could not warm its caches.
+    return torch.compile(unfused(op, rope), dynamic=False)
 
 
 def fused(op: str, inplace: bool = False, scaling: dict | None = None):
