@@ -151,26 +151,10 @@ def call_key(q, k, positions, cos_sin_cache, cos, sin, options, outs=None):
         if len(outs) not in (1, 2):
             return None  # the full path says what out must be
         arrays += tuple(outs) + (None,) * (2 - len(outs))
-    # gpu_array_key, inlined for torch tensors: this loop is most of a repeat call's host time.
-    metas, pointers = [], []
-    kinds = GPU_KINDS  # array type -> "torch" / "cupy", as arrays.gpu_array_key sees it
-    for x in arrays:
-        if x is None:
-            metas.append(None)
-            pointers.append(0)
-        elif kinds.get(type(x)) == "torch":
-            device = x.get_device()
-            if device < 0 or x.requires_grad:
-                return None
-            ptr = x.data_ptr()
-            metas.append((type(x), x.shape, x.stride(), x.dtype, device, ptr & 15))
-            pointers.append(ptr)
-        else:  # CuPy, or a type not seen yet
-            found = gpu_array_key(x)
-            if found is None:
-                return None
-            metas.append(found[0])
-            pointers.append(found[1])
+    operands = _operands_key(arrays)
+    if operands is None:
+        return None
+    metas, pointers = operands
     theta, scaling, interleaved, rotary_dim, inverse, inplace, seq_len = options
     # Only exact bools: interleaved=1 must still reach the check that rejects it.
     if not (type(interleaved) is bool and type(inverse) is bool and type(inplace) is bool):
@@ -183,6 +167,42 @@ def call_key(q, k, positions, cos_sin_cache, cos, sin, options, outs=None):
     except TypeError:  # an unhashable option (e.g. theta given as an array): full path
         return None
     return (tuple(metas), chosen), pointers
+
+
+# Option values that are never arrays (an exact type test before the attribute probes of
+# _is_array, which took a third of a fused repeat call's key).
+_PLAIN_OPTION_TYPES = frozenset((bool, int, float, str, type(None)))
+
+
+def _operands_key(arrays, numbers_at=frozenset()):
+    """(metadata, pointers) of a call's array operands (None where absent), else None when one is
+    not a CUDA array; at the indices ``numbers_at`` a number may stand (a scale: keyed with the
+    options, pointer 0). gpu_array_key, inlined for torch tensors: this loop is most of a repeat
+    call's host time."""
+    metas, pointers = [], []
+    kinds = GPU_KINDS  # array type -> "torch" / "cupy", as arrays.gpu_array_key sees it
+    for index, x in enumerate(arrays):
+        if x is None:
+            metas.append(None)
+            pointers.append(0)
+        elif kinds.get(type(x)) == "torch":
+            device = x.get_device()
+            if device < 0 or x.requires_grad:
+                return None
+            ptr = x.data_ptr()
+            metas.append((type(x), x.shape, x.stride(), x.dtype, device, ptr & 15))
+            pointers.append(ptr)
+        else:  # CuPy, a type not seen yet, or a number
+            found = None if type(x) in _PLAIN_OPTION_TYPES else gpu_array_key(x)
+            if found is None:
+                if index not in numbers_at or _is_array(x):
+                    return None  # not a CUDA array here (or one the full path must see)
+                metas.append(None)
+                pointers.append(0)
+            else:
+                metas.append(found[0])
+                pointers.append(found[1])
+    return metas, pointers
 
 
 def guard_in_place(recipe: LaunchRecipe, spans, pointers) -> None:
@@ -260,34 +280,33 @@ FUSED_OPERANDS = ("q", "k", "positions", "cos_sin_cache", "cos", "sin") + FUSION
 _SCALES = ("q_scale", "k_scale", "v_scale")
 
 
+_FUSED_INDEX = {name: i for i, name in enumerate(FUSED_OPERANDS)}
+_SCALE_INDICES = frozenset(_FUSED_INDEX[name] for name in _SCALES)
+
+
 def fused_call_key(op_name: str, q, k, positions, rope: dict, fusion: dict):
     """(hashable key, pointers in FUSED_OPERANDS order) for a fused call on CUDA torch tensors /
     CuPy arrays, else None: as :func:`call_key`, over every array operand and option of the
     call (``op_name`` names the op)."""
-    values = {"q": q, "k": k, "positions": positions, **rope, **fusion}
-    metas, pointers = [], []
-    for name in FUSED_OPERANDS:
-        x = values.get(name)
-        found = None if x is None else gpu_array_key(x)
-        if found is None:
-            if x is not None and (name not in _SCALES or _is_array(x)):
-                return None  # not a CUDA array here (or one the full path must see)
-            metas.append(None)
-            pointers.append(0)
-        else:
-            metas.append(found[0])
-            pointers.append(found[1])
+    arrays = (q, k, positions, rope.get("cos_sin_cache"), rope.get("cos"), rope.get("sin"),
+              *[fusion.get(name) for name in FUSION_POINTERS])
+    operands = _operands_key(arrays, _SCALE_INDICES)  # a number as a scale: an option, below
+    if operands is None:
+        return None
+    metas, pointers = operands
     options = []
     for name, value in (*rope.items(), *fusion.items()):
-        if name in FUSED_OPERANDS and (name not in _SCALES or metas[FUSED_OPERANDS.index(name)]):
+        index = _FUSED_INDEX.get(name)
+        if index is not None and (index not in _SCALE_INDICES or metas[index]):
             continue  # an array operand, keyed above
-        if _is_array(value):
-            return None  # an array where an option goes: the full path decides
-        if name == "scaling" and value is not None:
-            try:
-                value = exact_key(value)
-            except TypeError:
-                return None
+        if type(value) not in _PLAIN_OPTION_TYPES:
+            if _is_array(value):
+                return None  # an array where an option goes: the full path decides
+            if name == "scaling" and value is not None:
+                try:
+                    value = exact_key(value)
+                except TypeError:
+                    return None
         options.append((name, type(value), value))
     try:
         key = (op_name, tuple(metas), tuple(options))
