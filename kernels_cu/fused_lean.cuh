@@ -8,7 +8,8 @@
 //
 // The common layout (launch.py: fused_lean_applies): 16-byte accesses, 32-bit offsets, one token
 // dim, cos/sin rows that take vector loads, every dim rotated (rotary_dim == head_dim), at most 32
-// lanes a head. M-RoPE in kernels of its own (MROPE): a lane's angles are found once a token,
+// lanes a head; a partial rotation (PARTIAL) in kernels of their own, with lanes for the dims
+// past rotary_dim. M-RoPE in kernels of its own (MROPE): a lane's angles are found once a token,
 // before the head loop, so reading each pair's position component there costs the heads nothing.
 // Each lane owns one chunk of pairs of every head it visits, as in the rope kernels, so cos/sin
 // are loaded once per token and the lane's norm weights once per head (from L1: no shared
@@ -230,7 +231,8 @@ __device__ __forceinline__ void load_chunk_weights(const F& f, const void* w, in
 // fma), rotated (sin carries the sign already) and stored to the output row and, for a k head
 // with a cache slot, to its k cache row. `head_weights`: the head's norm weights, loaded here
 // (a pointer: the lean kernel, whose registers do not hold them through the reduction) or
-// already (LaneWeights<P>).
+// already (LaneWeights<P>). `rotate` false: a lane of the dims past rotary_dim (x1 / x2 then
+// two runs of P elements side by side, see rope_fused_lean_tokens), not rotated.
 template <typename T, int P, bool INTERLEAVED, bool NORM, bool CACHE, typename W, typename F,
           typename Weights>
 __device__ __forceinline__ void lean_rotate_store(const F& f,
@@ -239,7 +241,7 @@ __device__ __forceinline__ void lean_rotate_store(const F& f,
                                                   float weight_offset, float rms_scale,
                                                   const float (&cos_v)[P], const float (&sin_v)[P],
                                                   bool is_k, void* out, int out_offset,
-                                                  long long cache_offset) {
+                                                  long long cache_offset, bool rotate = true) {
   constexpr int E = INTERLEAVED ? 2 * P : P;  // elements of one 16-byte access
   float x1[P], x2[P];
   chunk.pairs(x1, x2);
@@ -272,7 +274,13 @@ __device__ __forceinline__ void lean_rotate_store(const F& f,
   }
   float y1[P], y2[P];
 #pragma unroll
-  for (int i = 0; i < P; ++i) rotate_pair(x1[i], x2[i], cos_v[i], sin_v[i], 1.0f, y1[i], y2[i]);
+  for (int i = 0; i < P; ++i) {
+    rotate_pair(x1[i], x2[i], cos_v[i], sin_v[i], 1.0f, y1[i], y2[i]);
+    // A lane of dims past rotary_dim: stored as they are (normalised), exactly (a select, not a
+    // branch around the rotation: the branch spilled 8-20 bytes on sm_90).
+    y1[i] = rotate ? y1[i] : x1[i];
+    y2[i] = rotate ? y2[i] : x2[i];
+  }
   if constexpr (INTERLEAVED) {
     float y[E];
 #pragma unroll
@@ -336,7 +344,7 @@ __device__ __forceinline__ void lean_store_v_head(const F& f, int token, int vh,
 }
 
 template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool NORM, bool CACHE,
-          typename W, bool MROPE>
+          typename W, bool MROPE, bool PARTIAL>
 __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, const FusionParams& f) {
   using Index = int;  // lean kernels use 32-bit offsets (cache rows stay 64-bit)
   using L = Layout<T, true, INTERLEAVED>;
@@ -350,8 +358,8 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
   const float sin_sign = static_cast<float>(p.sin_sign);
 
   const Index head_dim = static_cast<Index>(p.head_dim);
-  const Index half = static_cast<Index>(p.rotary_dim) / 2;
-  const Index num_chunks = half / P, head_chunks = head_dim / A;
+  const Index rotary_half = static_cast<Index>(p.rotary_dim) / 2;
+  const Index num_chunks = rotary_half / P, head_chunks = head_dim / A;
   const Index num_q_heads = static_cast<Index>(p.num_q_heads);
   const Index num_rotated = num_q_heads + static_cast<Index>(p.num_k_heads);
   const Index num_heads = num_rotated + (CACHE ? static_cast<Index>(f.num_v_heads) : 0);
@@ -359,10 +367,23 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
   const Index first_head = static_cast<Index>(blockIdx.y) * ntid_y() + tid_y();
   const Index head_step = static_cast<Index>(gridDim.y) * ntid_y();
   const Index token_step = static_cast<Index>(gridDim.x) * ntid_z();
-  const Index pair0 = tid_x() * P;
+  // PARTIAL (rotary_dim < head_dim, kernels of their own): lanes past the rotated chunks hold
+  // the dims past rotary_dim when the launch reads and writes them (p.copy_pass_through: out of
+  // place, normalised, fp8 or copied into the k cache): loaded, normalised and stored as the
+  // rotated chunks are, but not rotated. An interleaved lane's 2 P elements follow the last
+  // rotated chunk's; NeoX lanes keep the rotated chunks' two runs of P, rotary_dim / 2 apart, so
+  // their dims past rotary_dim come in blocks of rotary_dim (launch.fused_lean_applies: head_dim
+  // a multiple of rotary_dim), lane l's runs at l P + (l / num_chunks) rotary_dim / 2 and half
+  // further.
+  const Index lane = static_cast<Index>(tid_x());
+  const Index head_lanes = PARTIAL && p.copy_pass_through ? head_dim / (2 * P) : num_chunks;
+  const Index pair0 =
+      PARTIAL && !INTERLEAVED ? lane * P + (lane / num_chunks) * rotary_half : lane * P;
+  const Index half = rotary_half;
   // Lanes past the head's chunks (the norm rounds lanes up to a power of two) load and store
   // nothing but take part in the reduction.
-  const bool active = static_cast<Index>(tid_x()) < num_chunks;
+  const bool active = lane < head_lanes;
+  const bool rotating = PARTIAL ? lane < num_chunks : active;  // the lanes with angles
 
   // The norm's constants (the fp8 stores compute their scales' reciprocals where they store).
   const float inv_dim = 1.0f / static_cast<float>(head_dim), eps = static_cast<float>(f.eps);
@@ -376,7 +397,7 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
   for (Index token = first_token; token < num_tokens; token += token_step) {
     const TokenOffsets<Index> o = lean_token_offsets(p, token);
     long long position = 0;
-    if (active) {
+    if (rotating) {
       if constexpr (SOURCE != kTokenTables) position = load_position(p, o.positions);
     }
     SlotRows slot{-1, -1};
@@ -392,7 +413,7 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
       chunk.load(head_rows<T, Index>(p, o, head).in, pair0, half);
     }
     float cos_v[P], sin_v[P];
-    if (active) {
+    if (rotating) {
       chunk_angles<SOURCE, true, P, MROPE>(p, o, position, pair0, cos_table, sin_table,
                                  static_cast<Index>(p.cos_col_stride),
                                  static_cast<Index>(p.sin_col_stride), true, sin_sign, cos_v,
@@ -427,7 +448,7 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
     // Table-read angles take the sign here, once a token (computed ones have it): one multiply per
     // pair and token instead of two per pair and head.
     if constexpr (SOURCE != kComputedAngles) {
-      if (active) {
+      if (rotating) {
 #pragma unroll
         for (int i = 0; i < P; ++i) sin_v[i] *= sin_sign;
       }
@@ -465,7 +486,7 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
             cos_v, sin_v, is_k, is_k ? p.k_out : p.q_out,
             is_k ? o.k_out + kh * static_cast<Index>(p.k_out_head_stride)
                  : o.q_out + head * static_cast<Index>(p.q_out_head_stride),
-            cache_offset);
+            cache_offset, !PARTIAL || rotating);
       }
       head += head_step;
       // After this head's stores: in place, they may be the rows a later load reads.
@@ -477,15 +498,16 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
 // The kernel body for the weights' dtype: compiled for the q dtype and for any other dtype;
 // without a norm, once.
 template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool NORM, bool CACHE,
-          bool MROPE>
+          bool MROPE, bool PARTIAL = false>
 __device__ __forceinline__ void rope_fused_lean_body(const RopeParams& p, const FusionParams& f) {
   if constexpr (NORM) {
     if (f.weight_dtype == WeightDtypeOf<T>::value) {
-      rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, T, MROPE>(p, f);
+      rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, T, MROPE, PARTIAL>(p, f);
       return;
     }
   }
-  rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, RuntimeWeights, MROPE>(p, f);
+  rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, RuntimeWeights, MROPE,
+                         PARTIAL>(p, f);
 }
 
 }  // namespace cupyrope

@@ -254,7 +254,10 @@ void rope_fused_rows_kernel(const RopeParams p, const FusionParams f) {
 // or the cache write alone (4-12 bytes). MROPE (launch.py sets it for plans with mrope_mode): one
 // block fewer again, since the per-pair position components and table rows spilled 24-56 bytes of
 // the 16-bit NeoX kernels at the common kernels' bound on sm_90 (those keep their registers).
-template <typename T, bool INTERLEAVED, bool NORM, bool CACHE, int SOURCE, bool MROPE = false>
+// PARTIAL (a partial rotation: lanes for the dims past rotary_dim): one block fewer as MROPE;
+// at the common bound its lane offsets spilled 4-20 bytes of the bfloat16 NeoX kernels on sm_90.
+template <typename T, bool INTERLEAVED, bool NORM, bool CACHE, int SOURCE, bool MROPE = false,
+          bool PARTIAL = false>
 struct FusedLeanMinBlocksPerSM {
   static constexpr int hopper = NORM && (CACHE || (IsHalf<T>::value && !INTERLEAVED)) ? 3 : 4;
   static constexpr bool bfloat16 = sizeof(T) == 2 && !IsHalf<T>::value;
@@ -267,7 +270,7 @@ struct FusedLeanMinBlocksPerSM {
 #else
   static constexpr int architecture = hopper;
 #endif
-  static constexpr int mrope = MROPE ? 1 : 0;
+  static constexpr int mrope = MROPE || PARTIAL ? 1 : 0;
   static constexpr int value = architecture - mrope;
   // XLA's native entry (frontends/jax/native.py) rebuilds the parameters from flat arguments,
   // which costs the float16 NeoX cache write 16 bytes of stack at 64 registers on sm_90: one
@@ -278,19 +281,21 @@ struct FusedLeanMinBlocksPerSM {
 };
 
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
-          bool NORM, bool CACHE, bool MROPE = false>
+          bool NORM, bool CACHE, bool MROPE = false, bool PARTIAL = false>
 __device__ __forceinline__ void rope_fused_lean(const RopeParams& p, const FusionParams& f) {
   static_assert(VECTOR && !WIDE_INDEX, "lean kernels take 16-byte accesses and 32-bit offsets");
-  rope_fused_lean_body<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, MROPE>(p, f);
+  static_assert(!(MROPE && PARTIAL), "M-RoPE kernels rotate every dim");
+  rope_fused_lean_body<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, MROPE, PARTIAL>(p, f);
 }
 
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
-          bool NORM, bool CACHE, bool MROPE = false>
+          bool NORM, bool CACHE, bool MROPE = false, bool PARTIAL = false>
 __global__ __launch_bounds__(kMaxThreadsPerBlock,
-                             FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE, SOURCE,
-                                                     MROPE>::value)
+                             FusedLeanMinBlocksPerSM<T, INTERLEAVED, NORM, CACHE, SOURCE, MROPE,
+                                                     PARTIAL>::value)
 void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
-  rope_fused_lean<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, NORM, CACHE, MROPE>(p, f);
+  rope_fused_lean<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, NORM, CACHE, MROPE,
+                  PARTIAL>(p, f);
 }
 
 // The fused ops in the lean layout at few tokens (decided on the host:

@@ -371,6 +371,93 @@ def test_fused_decode_kernel_splits_many_heads_over_blocks(backend, rng, launche
     assert not got_k[untouched].any() and not got_v[untouched].any()
 
 
+@pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
+@pytest.mark.parametrize("case", ["norm", "fp8 out", "cache", "norm + fp8 cache"])
+@pytest.mark.parametrize("dtype,interleaved,D,r", [
+    ("bfloat16", False, 256, 64), ("float16", False, 128, 64), ("bfloat16", True, 128, 96),
+    ("float32", True, 64, 32)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_partial_rotation_on_the_lean_fused_kernel(backend, rng, launched_kernels, case, dtype,
+                                                   interleaved, D, r, inplace):
+    """rotary_dim < head_dim (Qwen3-Next's 64 of 256, GLM's 64 of 128; interleaved 96 of 128)
+    runs the lean fused kernel's partial specialisations: lanes past the rotated chunks
+    normalise and store the other dims, copy them into the k cache, and leave them exactly as
+    they are without a norm (an infinity there stays one)."""
+    norm, cache = "norm" in case, "cache" in case
+    fp8 = "float8_e4m3fn" if "fp8" in case else None
+    if fp8 and inplace and not cache:
+        pytest.skip("fp8 outputs are new arrays")
+    T, Hq, Hk = 300, 6, 2
+    positions = rng.integers(0, 4096, T)
+    q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
+    k = (rng.standard_normal((T, Hk, D)) * 3).astype(np_dtype(dtype))
+    if not norm:  # dims past rotary_dim are copied bit for bit
+        q[1, 2, r + 1], k[3, 1, D - 1] = np.inf, -np.inf
+    v = rng.standard_normal((T, Hk, D)).astype(np_dtype(dtype))
+    w = {"q": rng.uniform(0.5, 1.5, D).astype(np_dtype(dtype)),
+         "k": rng.uniform(0.5, 1.5, D).astype(np_dtype(dtype))}
+    table = cr.cos_sin_cache(4096, r, dtype="float32")
+    angles = dict(cos_sin_cache=backend.put(table), interleaved=interleaved)
+    norm_kw = ({"q_weight": backend.put(w["q"]), "k_weight": backend.put(w["k"]), "eps": 1e-6}
+               if norm else {})
+    qb, kb = backend.put(q), backend.put(k)
+    if cache:
+        num_blocks, block_size = 40, 16
+        slots = rng.permutation(num_blocks * block_size)[:T].astype(np.int64)
+        slots[::7] = -1
+        fmt = np.dtype(getattr(ml_dtypes, fp8)) if fp8 else np_dtype(dtype)
+        put_cache = functools.partial(_put_fp8, backend) if fp8 else backend.put
+        k_cache = put_cache(np.zeros((num_blocks, block_size, Hk, D), fmt))
+        v_cache = put_cache(np.zeros((num_blocks, block_size, Hk, D), fmt))
+        scales = {"k_scale": 0.5, "v_scale": 2.0} if fp8 else {}
+        extra = {"cache_dtype": fp8} if fp8 and backend.framework == "cupy" else {}
+        q_out, k_out, _, _ = cr.rope_and_cache(
+            qb, kb, backend.put(v), backend.put(positions), k_cache, v_cache, backend.put(slots),
+            inplace=inplace, **angles, **norm_kw, **scales, **extra)
+    elif norm:
+        q_out, k_out = cr.rms_norm_rope(qb, kb, **norm_kw, positions=backend.put(positions),
+                                        inplace=inplace, **angles)
+    else:
+        q_out, k_out = cr.apply_rope(qb, kb, backend.put(positions), **angles, out_dtype=fp8,
+                                     q_scale=0.5, k_scale=0.25)
+    (spec,) = launched_kernels
+    assert spec.fused and spec.lean and spec.partial and not spec.decode, spec.name_expression
+    expected = {name: reference_rope(_rms_norm64(x, w[name], 1e-6, 0.0) if norm else x,
+                                     positions, cos_sin_cache=table, interleaved=interleaved,
+                                     rotary_dim=r)
+                for name, x in (("q", q), ("k", k))}
+    for name, out, x in (("q", q_out, q), ("k", k_out, k)):
+        got = host_values(backend, out)
+        if fp8 and not cache:
+            got = got.view(np.dtype(getattr(ml_dtypes, fp8))) if got.dtype == np.uint8 else got
+            exact = expected[name] / {"q": 0.5, "k": 0.25}[name]
+            err = np.abs(got.astype(np.float64) - exact)
+            assert np.all(err <= np.abs(exact) * 2.0 ** -3 + 2.0 ** -9), f"{name}: {err.max()}"
+            continue
+        finite = np.isfinite(x) if not norm else np.ones(x.shape, bool)
+        assert np.array_equal(got[~finite], x[~finite])  # the infinities, untouched
+        rows = np.all(finite, axis=-1)  # heads without one, against the reference
+        _assert_close(got[rows], expected[name][rows], dtype, f"{case} {name}")
+        if not norm:  # dims past rotary_dim: the input's bits
+            assert np.array_equal(got[..., r:], x[..., r:])
+    if cache:
+        valid = slots >= 0
+        got_k = host_values(backend, k_cache).reshape(-1, Hk, D)[slots[valid]]
+        got_v = host_values(backend, v_cache).reshape(-1, Hk, D)[slots[valid]]
+        if fp8:
+            got_k = got_k.view(fmt) if got_k.dtype == np.uint8 else got_k
+            got_v = got_v.view(fmt) if got_v.dtype == np.uint8 else got_v
+            for got, exact in ((got_k, expected["k"][valid] / 0.5), (got_v, v[valid] / 2.0)):
+                err = np.abs(got.astype(np.float64) - exact)
+                assert np.all(err <= np.abs(exact) * 2.0 ** -3 + 2.0 ** -9), err.max()
+        else:
+            kx = k[valid]
+            rows = np.all(np.isfinite(kx), axis=-1)
+            _assert_close(got_k[rows], expected["k"][valid][rows], dtype, f"{case} k cache")
+            assert np.array_equal(got_k[..., r:], kx[..., r:])
+            np.testing.assert_array_equal(got_v, v[valid])
+
+
 def _put_fp8(backend: Backend, host: np.ndarray):
     """An fp8 array on the backend: torch's own fp8 dtype, CuPy's uint8 bits, else as is."""
     if backend.framework == "torch":

@@ -107,9 +107,13 @@ CASES = {
                                         scaling={"rope_type": "default",
                                                  "mrope_section": [16, 24, 24]}),
                          "rope_fused_lean_kernel"),
-    # Dims past rotary_dim, normalised with the rest: the general fused kernel.
+    # Dims past rotary_dim, normalised with the rest: the lean fused kernel's partial
+    # specialisation (NeoX: head_dim a multiple of rotary_dim), else the general fused kernel.
+    "fused_lean_partial": (lambda: _fused("rms_norm_rope", 40, "bfloat16", eps=1e-6,
+                                          weight_offset=0.0, rotary_dim=64),
+                           "rope_fused_lean_kernel"),
     "fused_general_partial": (lambda: _fused("rms_norm_rope", 40, "bfloat16", eps=1e-6,
-                                             weight_offset=0.0, rotary_dim=64),
+                                             weight_offset=0.0, rotary_dim=96),
                               "rope_fused_kernel"),
 }
 

@@ -121,9 +121,15 @@ def test_lean_fused_kernel_takes_whole_rotated_heads_only():
                       scaling={"rope_type": "default", "mrope_section": [16, 24, 24]})
     assert mrope.mrope_mode and launch.fused_lean_applies(mrope, **args)
     assert not launch.lean_kernel_applies(mrope, **{k: v for k, v in args.items() if k != "pairs"})
-    # Dims past rotary_dim (normalised, quantised or cached with the rest): general kernel.
+    # Dims past rotary_dim (normalised, quantised or cached with the rest): the lean kernel's
+    # partial specialisation where NeoX pairs tile the head in blocks of rotary_dim, else the
+    # general kernel.
     partial = plan_rope(q, None, positions, cos_sin_cache=cache[:, :64])
-    assert partial.rotary_dim == 64 and not launch.fused_lean_applies(partial, **args)
+    assert partial.rotary_dim == 64 and launch.fused_lean_applies(partial, **args)
+    uneven = plan_rope(q, None, positions, cos_sin_cache=cache[:, :96])
+    assert uneven.rotary_dim == 96 and not launch.fused_lean_applies(uneven, **args)
+    uneven = plan_rope(q, None, positions, cos_sin_cache=cache[:, :96], interleaved=True)
+    assert launch.fused_lean_applies(uneven, **{**args, "pairs": 2})
     # More chunks than the 32 lanes of a head: general kernel (it loops over a head's chunks).
     wide = plan_rope(np.zeros((16, 4, 512), dtype=np.float32), None, positions)
     assert launch.fused_lean_applies(wide, **{**args, "pairs": 8})
@@ -256,6 +262,30 @@ def test_fused_decode_kernel_reads_norm_weights_of_q_dtype(op):
         assert spec.kernel.lean and spec.kernel.norm and not spec.kernel.decode, (q_dtype, w_dtype)
     spec, _ = _fused_launch("cache", 1, dtype=bf16, weight_dtype=np.float32)  # no norm: no weights
     assert spec.kernel.decode
+
+
+@pytest.mark.parametrize("op", ["norm", "cache", "norm+cache"])
+def test_partial_rotation_takes_the_lean_fused_kernel_with_lanes_for_the_other_dims(op):
+    """rotary_dim < head_dim runs the lean fused kernel's partial specialisation at any T (not
+    the decode kernel): a lane per 2 * pairs dims of the whole head (bfloat16 NeoX: 16), the
+    rotated chunks' first. NeoX needs head_dim a multiple of rotary_dim (its other dims come in
+    blocks of rotary_dim), interleaved pairs only whole lanes; anything else takes the general
+    fused kernel."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    for T in (1, 5000):
+        spec, plan = _fused_launch(op, T, D=256, dtype=bf16,
+                                   cos_sin_cache=np.zeros((4096, 64), np.float32))
+        assert plan.rotary_dim == 64 and plan.head_dim == 256
+        assert spec.kernel.lean and spec.kernel.partial and not spec.kernel.decode, T
+        assert "false, true>" in spec.kernel.name_expression
+        assert spec.block[0] == 16 and int(spec.params["copy_pass_through"]) == 1
+    spec, _ = _fused_launch(op, 7, D=128, dtype=bf16, cos_sin_cache=np.zeros((4096, 96), np.float32))
+    assert not spec.kernel.lean  # NeoX: 128 is no multiple of 96
+    spec, _ = _fused_launch(op, 7, D=128, dtype=bf16, interleaved=True,
+                            cos_sin_cache=np.zeros((4096, 96), np.float32))
+    assert spec.kernel.lean and spec.kernel.partial and spec.block[0] == 16  # 8 bf16 a lane
+    spec, _ = _fused_launch(op, 7, D=128, dtype=bf16)
+    assert not spec.kernel.partial  # every dim rotated: the common kernels
 
 
 def test_fused_decode_kernel_needs_a_power_of_two_of_chunks_and_no_mrope():

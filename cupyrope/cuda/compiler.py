@@ -51,6 +51,9 @@ class KernelSpec:
     # The lean fused kernel with M-RoPE positions (each pair's position component read once a
     # token); a flag of its own so that the common kernels keep their registers.
     mrope: bool = False
+    # The lean fused kernel with lanes for the dims past rotary_dim (a partial rotation: Qwen3-Next,
+    # GLM), likewise a flag of its own.
+    partial: bool = False
 
     @property
     def name_expression(self) -> str:
@@ -63,7 +66,7 @@ class KernelSpec:
                   "rope_lean_kernel" if self.lean else "rope_kernel")
         flags = (self.vector, self.interleaved)
         fusions = (f", {str(self.norm).lower()}, {str(self.cache).lower()}"
-                   + (", true" if self.mrope else "")
+                   + (", true" if self.mrope else ", false, true" if self.partial else "")
                    if self.fused and (self.lean or self.decode) else "")
         return (
             f"cupyrope::{kernel}<{CUDA_TYPE_NAMES[self.dtype]}, "
@@ -116,12 +119,14 @@ def _fused_specialisations() -> tuple[KernelSpec, ...]:
     # M-RoPE positions (a cache or computed angles: M-RoPE takes no per-token tables).
     mrope = [dataclasses.replace(spec, mrope=True) for spec in lean
              if spec.source != AngleSource.TOKEN_TABLES]
+    # A partial rotation (launch.fused_lean_applies), every angle source.
+    partial = [dataclasses.replace(spec, partial=True) for spec in lean]
     # Stores quantised per row: every layout of the general fused kernel.
     rows = [dataclasses.replace(spec, rows=True) for spec in specs]
     # The fused decode kernels: the lean fused layouts without M-RoPE, few tokens
     # (launch.fused_decode_applies).
     decode = [dataclasses.replace(spec, decode=True) for spec in lean]
-    return tuple(specs + lean + mrope + rows + decode)
+    return tuple(specs + lean + mrope + partial + rows + decode)
 
 
 FUSED_SPECIALISATIONS: tuple[KernelSpec, ...] = _fused_specialisations()

@@ -388,7 +388,8 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
         spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
                           wide_index, lean, fused=True, norm=lean and fusion.norm,
                           cache=lean and fusion.writes_cache, rows=fusion.row_scaled,
-                          mrope=lean and bool(plan.mrope_mode))
+                          mrope=lean and bool(plan.mrope_mode),
+                          partial=lean and plan.rotary_dim < plan.head_dim)
         ring = not lean and fused_ring(plan, fusion, vector)
         fusion_params = fusion_struct(plan, fusion, copy_pass)
         if lean and fused_decode_applies(plan, pairs=pairs, angle_arithmetic=angle_arithmetic):
@@ -402,7 +403,9 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
         extra_heads = plan.num_k_heads if fusion.writes_cache else 0
         block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
                                       multiprocessors, extra_heads=extra_heads,
-                                      power_of_two_lanes=fusion.norm or fusion.row_scaled)
+                                      power_of_two_lanes=fusion.norm or fusion.row_scaled,
+                                      lean_pass_lanes=(lean_pass_lanes(plan, pairs, copy_pass)
+                                                       if lean else 0))
         if fusion.row_scaled:
             block, grid = fit_row_buffers(plan, fusion, block, grid)
         shared_bytes = 0 if lean else fused_shared_bytes(plan, fusion, ring, block)
@@ -512,7 +515,8 @@ def _resident_blocks(threads: int, num_regs: int) -> int:
 
 def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, num_regs: int,
                     multiprocessors: int | None = None, *, extra_heads: int = 0,
-                    power_of_two_lanes: bool = False, plain: bool = False):
+                    power_of_two_lanes: bool = False, plain: bool = False,
+                    lean_pass_lanes: int = 0):
     """(block, grid) for a plan.
 
     x: lanes over the chunks of pairs of a head (out of place, the same lanes then copy the
@@ -527,9 +531,15 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     heads whose chunks are not a power-of-two number of lanes (head_dim 80, 96: 5, 6 lanes) take
     lanes rounded up to a power of two and at most UNEVEN_LANES_MAX_HEADS heads a thread, so that
     no warp holds part of a head whose other part another warp rewrites.
+
+    ``lean_pass_lanes``: the lean fused kernel's lanes of the dims past rotary_dim, after the
+    rotated chunks' (:func:`lean_pass_lanes`); the other kernels spread those dims over the
+    rotated chunks' lanes.
     """
     chunks = (plan.rotary_dim // 2) // pairs
     pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
+    if lean_pass_lanes:
+        chunks, pass_chunks = chunks + lean_pass_lanes, 0
     # Without rotation (rotary_dim 0: write_cache) the lanes split the copied chunks instead.
     lanes = max(1, min(chunks or pass_chunks, 32))
     candidates = HEADS_PER_THREAD
@@ -580,14 +590,27 @@ FUSED_RING_MIN_TOKENS = 4096
 def fused_lean_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_ndim: int,
                        pairs: int, table_vector_ok: bool) -> bool:
     """Whether the lean fused kernel (kernels_cu/fused_lean.cuh) runs this fused launch: the lean
-    layout of the rope kernels (M-RoPE included), every dim rotated, one chunk of pairs per lane
-    (at most 32 a head) and norm weights that take 16-byte loads. Everything else runs the general
-    fused kernel."""
+    layout of the rope kernels (M-RoPE included), one chunk of pairs per lane (at most 32 a head)
+    and norm weights that take 16-byte loads. A partial rotation (rotary_dim < head_dim, no
+    M-RoPE) runs there too when the rotated and the other dims come in whole lanes of 2 *
+    ``pairs`` elements, for NeoX pairs in blocks of rotary_dim (head_dim a multiple of it:
+    Qwen3-Next's 64 of 256, GLM's 64 of 128): lanes past the rotated chunks hold the other dims
+    (:func:`lean_pass_lanes`). Everything else runs the general fused kernel."""
+    lanes = 2 * pairs
+    partial_ok = (not plan.mrope_mode and plan.rotary_dim > 0 and plan.rotary_dim % lanes == 0
+                  and (plan.head_dim - plan.rotary_dim) % lanes == 0
+                  and (plan.interleaved or plan.head_dim % plan.rotary_dim == 0))
     return (lean_kernel_applies(plan, vector=vector, wide_index=wide_index, token_ndim=token_ndim,
                                 table_vector_ok=table_vector_ok, mrope_ok=True)
-            and plan.rotary_dim == plan.head_dim and (plan.rotary_dim // 2) // pairs <= 32
-            and plan.head_dim % 4 == 0
+            and (plan.rotary_dim == plan.head_dim or partial_ok)
+            and plan.head_dim // lanes <= 32 and plan.head_dim % 4 == 0
             and not (plan.fusion is not None and plan.fusion.row_scaled))  # rows: general kernel
+
+
+def lean_pass_lanes(plan: RopePlan, pairs: int, copy_pass: bool) -> int:
+    """The lanes of a lean fused launch that hold the dims past rotary_dim (2 * ``pairs`` each),
+    when the launch reads and writes them (``copy_pass``); 0 for a full rotation."""
+    return (plan.head_dim - plan.rotary_dim) // (2 * pairs) if copy_pass else 0
 
 
 # The fused decode kernel (kernels_cu/fused_decode.cuh: one thread per token, head and chunk,
@@ -610,6 +633,8 @@ def fused_decode_applies(plan: RopePlan, *, pairs: int, angle_arithmetic: str | 
     chunks = (plan.rotary_dim // 2) // pairs
     most = FUSED_DECODE_MAX_NORM_TOKENS if plan.fusion.norm else FUSED_DECODE_MAX_TOKENS
     if plan.mrope_mode or plan.num_tokens > most or chunks & (chunks - 1) or chunks > 32:
+        return False
+    if plan.rotary_dim != plan.head_dim:  # a partial rotation: the lean fused kernel
         return False
     if plan.fusion.norm and plan.fusion.q_weight.dtype != plan.q.dtype:
         return False

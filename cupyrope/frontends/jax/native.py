@@ -298,7 +298,8 @@ def _body(kernel) -> tuple[str, str]:
         norm, cache = args[6:8]
         return (f"cupyrope::rope_fused_lean{template}",
                 f"{threads}, cupyrope::FusedLeanMinBlocksPerSM<{t}, {interleaved}, {norm}, "
-                f"{cache}, {source}, {str(kernel.mrope).lower()}>::flat_entry")
+                f"{cache}, {source}, {str(kernel.mrope).lower()}, "
+                f"{str(kernel.partial).lower()}>::flat_entry")
     if kernel.fused and kernel.rows:  # rope_fused_rows_kernel's body and bounds
         return (f"cupyrope::rope_fused_tokens{template[:-1]}, true>",
                 f"{threads}, {'1' if wide == 'true' else '2'}")
