@@ -175,18 +175,8 @@ def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kern
         else:
             _assert_close(got, expected[name], dtype, f"{kernel} {case} {name}")
     if cache:
-        valid = slots >= 0
-        got_k = host_values(backend, k_cache).reshape(-1, Hk, D)[slots[valid]]
-        got_v = host_values(backend, v_cache).reshape(-1, Hk, D)[slots[valid]]
-        if fp8:
-            got_k = got_k.view(fmt) if got_k.dtype == np.uint8 else got_k
-            got_v = got_v.view(fmt) if got_v.dtype == np.uint8 else got_v
-            for got, exact in ((got_k, expected["k"][valid] / 0.5), (got_v, v[valid] / 2.0)):
-                err = np.abs(got.astype(np.float64) - exact)
-                assert np.all(err <= np.abs(exact) * 2.0 ** -3 + 2.0 ** -9), err.max()
-        else:
-            _assert_close(got_k, expected["k"][valid], dtype, f"{kernel} {case} k cache")
-            np.testing.assert_array_equal(got_v, v[valid])
+        _check_caches(backend, k_cache, v_cache, slots, expected["k"], v, fmt if fp8 else None,
+                      dtype, f"{kernel} {case}")
 
 
 @pytest.mark.parametrize("backend", backend_params(["numpy", "cupy", "torch-cuda"]), indirect=True)
@@ -441,21 +431,33 @@ def test_partial_rotation_on_the_lean_fused_kernel(backend, rng, launched_kernel
         if not norm:  # dims past rotary_dim: the input's bits
             assert np.array_equal(got[..., r:], x[..., r:])
     if cache:
-        valid = slots >= 0
-        got_k = host_values(backend, k_cache).reshape(-1, Hk, D)[slots[valid]]
-        got_v = host_values(backend, v_cache).reshape(-1, Hk, D)[slots[valid]]
-        if fp8:
-            got_k = got_k.view(fmt) if got_k.dtype == np.uint8 else got_k
-            got_v = got_v.view(fmt) if got_v.dtype == np.uint8 else got_v
-            for got, exact in ((got_k, expected["k"][valid] / 0.5), (got_v, v[valid] / 2.0)):
-                err = np.abs(got.astype(np.float64) - exact)
-                assert np.all(err <= np.abs(exact) * 2.0 ** -3 + 2.0 ** -9), err.max()
-        else:
-            kx = k[valid]
-            rows = np.all(np.isfinite(kx), axis=-1)
-            _assert_close(got_k[rows], expected["k"][valid][rows], dtype, f"{case} k cache")
-            assert np.array_equal(got_k[..., r:], kx[..., r:])
-            np.testing.assert_array_equal(got_v, v[valid])
+        got_k = _check_caches(backend, k_cache, v_cache, slots, expected["k"], v,
+                              fmt if fp8 else None, dtype, case, rows_of=k)
+        if not fp8:  # dims past rotary_dim: the input's bits
+            assert np.array_equal(got_k[..., r:], k[slots >= 0][..., r:])
+
+
+def _check_caches(backend: Backend, k_cache, v_cache, slots, expected_k, v, fp8_format, dtype,
+                  what, rows_of=None):
+    """The k and v cache rows of the valid slots: k against the float64 reference (heads of
+    ``rows_of`` with an infinity left out), v bit for bit, or both within an fp8 ulp of the
+    exact value over their scales (k 0.5, v 2.0). Returns the k rows."""
+    valid = slots >= 0
+    heads, dim = v.shape[-2:]
+    got_k = host_values(backend, k_cache).reshape(-1, heads, dim)[slots[valid]]
+    got_v = host_values(backend, v_cache).reshape(-1, heads, dim)[slots[valid]]
+    if fp8_format is not None:
+        got_k = got_k.view(fp8_format) if got_k.dtype == np.uint8 else got_k
+        got_v = got_v.view(fp8_format) if got_v.dtype == np.uint8 else got_v
+        for got, exact in ((got_k, expected_k[valid] / 0.5), (got_v, v[valid] / 2.0)):
+            err = np.abs(got.astype(np.float64) - exact)
+            assert np.all(err <= np.abs(exact) * 2.0 ** -3 + 2.0 ** -9), err.max()
+        return got_k
+    rows = (np.all(np.isfinite(rows_of[valid]), axis=-1) if rows_of is not None
+            else np.ones(got_k.shape[:-1], bool))
+    _assert_close(got_k[rows], expected_k[valid][rows], dtype, f"{what} k cache")
+    np.testing.assert_array_equal(got_v, v[valid])
+    return got_k
 
 
 def _put_fp8(backend: Backend, host: np.ndarray):
