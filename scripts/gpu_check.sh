@@ -11,8 +11,8 @@
 # tests and the NVRTC builds of every architecture with their spill checks are CI's), times the
 # first call of a new process with a cold and with a warm CuPy kernel cache, runs the benchmarks,
 # and prints a summary table last. The exit status is pytest's, or 1 when the kernel cache
-# failed. On an H100 (16 cores, 2026-11-27): setup 15 s, kernel cache and torch.compile pre-step
-# 116 s, the suite 145 s, the benchmarks 145 s: 423 s in all.
+# failed. On an H200 (16 cores, 90efaed): setup 14 s, kernel cache 53 s, the suite 136 s, the
+# torch.compile pre-step 76 s, the benchmarks 125 s: 407 s in all (the aim is 300 s).
 #
 # Files written to ${OUT:-/tmp} (the device tool returns at most 8): pytest.log, pytest.xml (times),
 # first_call_{cold,warm}.log, and, when they run, bench.log, bench_summary.md, bench.json, sweep/ (table, JSON,
