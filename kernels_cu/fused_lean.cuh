@@ -231,8 +231,8 @@ __device__ __forceinline__ void load_chunk_weights(const F& f, const void* w, in
 // fma), rotated (sin carries the sign already) and stored to the output row and, for a k head
 // with a cache slot, to its k cache row. `head_weights`: the head's norm weights, loaded here
 // (a pointer: the lean kernel, whose registers do not hold them through the reduction) or
-// already (LaneWeights<P>). `rotate` false: a lane of the dims past rotary_dim (x1 / x2 then
-// two runs of P elements side by side, see rope_fused_lean_tokens), not rotated.
+// already (LaneWeights<P>). `rotate` false: a lane of the dims past rotary_dim (x1 / x2 its
+// two runs of P elements, see rope_fused_lean_tokens), not rotated.
 template <typename T, int P, bool INTERLEAVED, bool NORM, bool CACHE, typename W, typename F,
           typename Weights>
 __device__ __forceinline__ void lean_rotate_store(const F& f,
@@ -276,8 +276,8 @@ __device__ __forceinline__ void lean_rotate_store(const F& f,
 #pragma unroll
   for (int i = 0; i < P; ++i) {
     rotate_pair(x1[i], x2[i], cos_v[i], sin_v[i], 1.0f, y1[i], y2[i]);
-    // A lane of dims past rotary_dim: stored as they are (normalised), exactly (a select, not a
-    // branch around the rotation: the branch spilled 8-20 bytes on sm_90).
+    // A lane of dims past rotary_dim: stored as they are (normalised), exactly: the rotation's
+    // result is dropped (a rotation by cos 1, sin 0 would turn an infinity's partner into NaN).
     y1[i] = rotate ? y1[i] : x1[i];
     y2[i] = rotate ? y2[i] : x2[i];
   }
