@@ -358,8 +358,8 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
   const float sin_sign = static_cast<float>(p.sin_sign);
 
   const Index head_dim = static_cast<Index>(p.head_dim);
-  const Index rotary_half = static_cast<Index>(p.rotary_dim) / 2;
-  const Index num_chunks = rotary_half / P, head_chunks = head_dim / A;
+  const Index half = static_cast<Index>(p.rotary_dim) / 2;
+  const Index num_chunks = half / P, head_chunks = head_dim / A;
   const Index num_q_heads = static_cast<Index>(p.num_q_heads);
   const Index num_rotated = num_q_heads + static_cast<Index>(p.num_k_heads);
   const Index num_heads = num_rotated + (CACHE ? static_cast<Index>(f.num_v_heads) : 0);
@@ -377,9 +377,7 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
   // further.
   const Index lane = static_cast<Index>(tid_x());
   const Index head_lanes = PARTIAL && p.copy_pass_through ? head_dim / (2 * P) : num_chunks;
-  const Index pair0 =
-      PARTIAL && !INTERLEAVED ? lane * P + (lane / num_chunks) * rotary_half : lane * P;
-  const Index half = rotary_half;
+  const Index pair0 = PARTIAL && !INTERLEAVED ? lane * P + (lane / num_chunks) * half : lane * P;
   // Lanes past the head's chunks (the norm rounds lanes up to a power of two) load and store
   // nothing but take part in the reduction.
   const bool active = lane < head_lanes;
