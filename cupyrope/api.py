@@ -254,10 +254,11 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
                   rotary_dim: int | None = None, inverse: bool = False, inplace: bool = False,
                   validate: bool = False, seq_len: int | None = None, out_dtype: Any = None,
                   q_scale: Any = None, k_scale: Any = None,
-                  out: Array | tuple[Array, Array] | None = None) -> Array | tuple[Array, Array]:
+                  out: Array | tuple[Array, Array] | None = None,
+                  norm_over: str = "head") -> Array | tuple[Array, Array]:
     """RMSNorm of every head of q (and k), then the rotation, in one pass (per-head QK-norm
-    models: Qwen3, Qwen3-MoE, Gemma 3; OLMo 2 normalises the whole projection, all heads
-    together, which this is not).
+    models: Qwen3, Qwen3-MoE, Gemma 3; with ``norm_over="all_heads"`` the norm of the whole
+    projection, all heads of a token together: OLMo 2, FlashInfer's ``fused_qk_rmsnorm_rope``).
 
     Per head, over ``head_dim``, in float32: ``x * rsqrt(mean(x**2) + eps) * (weight_offset +
     weight)``, then the rotation of :func:`apply_rope`, rounded once to the output dtype.
@@ -267,7 +268,9 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
     q, k : arrays, shapes ``(..., num_q_heads, head_dim)`` / ``(..., num_k_heads, head_dim)``
         float16, bfloat16 or float32; views of one fused QKV buffer work (v is never touched).
     q_weight, k_weight : arrays, shape ``(head_dim,)``
-        The norm weights (float32, float16 or bfloat16); ``k_weight`` is None when k is.
+        The norm weights (float32, float16 or bfloat16); ``k_weight`` is None when k is. With
+        ``norm_over="all_heads"``: ``(num_heads * head_dim,)`` or ``(num_heads, head_dim)``, one
+        weight per element of the projection (``q_norm.weight`` of OLMo 2).
     eps : float
         Added to the mean square (the model's ``rms_norm_eps``).
     weight_offset : float
@@ -282,6 +285,10 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
         uint8 bits for CuPy), any token and head strides with a unit last stride, sharing no
         element with any argument. Returned in place of new arrays. Not with ``inplace=True``
         or JAX arrays; under ``torch.compile`` and autograd the results are copied into them.
+    norm_over : ``"head"`` or ``"all_heads"``
+        ``"head"``: the mean over each head's ``head_dim``. ``"all_heads"``: over all heads of a
+        token together, q's heads and k's apart (``mean(x**2)`` over the last two dims), still
+        one launch: a block holds a token and reduces its sums before rotating.
 
     Returns
     -------
@@ -301,7 +308,7 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
     """
     fusion = dict(norm=True, q_weight=q_weight, k_weight=k_weight, eps=eps,
                   weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
-                  k_scale=k_scale)
+                  k_scale=k_scale, norm_over=norm_over)
     made = _new_row_scales(fusion, q, k)
     rope = _rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
                          inverse, inplace, seq_len)
@@ -324,7 +331,7 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
                    inplace: bool | None = None, validate: bool = False,
                    seq_len: int | None = None, k_cache_scales: Array | None = None,
                    v_cache_scales: Array | None = None,
-                   out: tuple[Array, Array] | None = None):
+                   out: tuple[Array, Array] | None = None, norm_over: str = "head"):
     """Rotate q and k and write the rotated k and v into a paged KV cache, in one launch
     (optionally after QK-RMSNorm and with fp8 outputs).
 
@@ -356,7 +363,7 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
         fp8 outputs and a cache of q's dtype, ``q_scale`` / ``k_scale`` of shape ``(T, H)`` take
         the outputs' rows instead. NVFP4 caches: the global scales (one per tensor; a reader
         dequantises ``e2m1 * block_scale * global``).
-    q_weight, k_weight, eps, weight_offset
+    q_weight, k_weight, eps, weight_offset, norm_over
         QK-RMSNorm before the rotation, as :func:`rms_norm_rope` (when weights are given).
     out_dtype, q_scale
         fp8 q/k outputs, as :func:`apply_rope` (then ``inplace=False``).
@@ -380,7 +387,7 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
                   weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
                   k_scale=k_scale, v=v, k_cache=k_cache, v_cache=v_cache,
                   slot_mapping=slot_mapping, layout=layout, v_scale=v_scale,
-                  cache_dtype=cache_dtype)
+                  cache_dtype=cache_dtype, norm_over=norm_over)
     if k_cache_scales is not None or v_cache_scales is not None:  # NVFP4 caches only
         fusion.update(k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
     if inplace is None:

@@ -189,19 +189,34 @@ struct HeadNorm {
 constexpr int kRingDepth = 4;
 constexpr int kRingSlotBytes = 32;  // one chunk of 16-byte accesses: two (NeoX) or one (interleaved)
 
+// Floats of the norm weights in the block's shared memory (after the ring, when the launch has
+// one): weight_offset + w of q, then of k, head_dim each; with f.all_heads a whole projection
+// each (num_heads * head_dim), then the scratch of token_sums. launch.fused_shared_bytes mirrors
+// this.
+constexpr int kAllHeadsScratch = 2 * 32;  // a q and a k partial sum per warp
+
+__device__ __forceinline__ long long norm_shared_floats(const RopeParams& p,
+                                                        const FusionParams& f) {
+  if (!f.norm) return 0;
+  if (!f.all_heads) return 2 * p.head_dim;
+  return (p.num_q_heads + p.num_k_heads) * p.head_dim + kAllHeadsScratch;
+}
+
 // weight_offset + weight of q and of k, as float32, into the block's shared memory: read once a
 // block instead of once per head and element (and no dtype switch in the inner loops).
-// They follow the ring when the launch has one (f.ring).
-__device__ __forceinline__ float* fill_norm_weights(const FusionParams& f, long long head_dim) {
+// They follow the ring when the launch has one (f.ring). q's `q_count` weights (head_dim, or a
+// whole projection with f.all_heads), then k's `k_count`.
+__device__ __forceinline__ float* fill_norm_weights(const FusionParams& f, long long q_count,
+                                                    long long k_count) {
   extern __shared__ __align__(16) unsigned char fused_shared[];
   const long long rank = tid_x() + ntid_x() * (tid_y() + ntid_y() * tid_z());
   const long long threads = static_cast<long long>(ntid_x()) * ntid_y() * ntid_z();
   float* const weights = reinterpret_cast<float*>(
       fused_shared + (f.ring ? threads * kRingDepth * kRingSlotBytes : 0));
   const float offset = static_cast<float>(f.weight_offset);
-  for (long long i = rank; i < 2 * head_dim; i += threads) {
-    const bool k = i >= head_dim;
-    const long long d = k ? i - head_dim : i;
+  for (long long i = rank; i < q_count + k_count; i += threads) {
+    const bool k = i >= q_count;
+    const long long d = k ? i - q_count : i;
     const void* w = k ? f.k_weight : f.q_weight;
     weights[i] = w == nullptr ? 0.0f
                               : offset + load_weight(w, d * (k ? f.k_weight_stride : f.q_weight_stride),
@@ -458,12 +473,14 @@ __device__ __forceinline__ RowStores head_row_stores(const RopeParams& p, const 
 }
 
 // This thread's head lane group's row buffer: head_dim floats, after the ring and the norm
-// weights in the block's shared memory (the host sized it: launch.fused_shared_bytes).
-__device__ __forceinline__ float* row_buffer(const FusionParams& f, long long head_dim) {
+// weights (norm_shared_floats) in the block's shared memory (the host sized it:
+// launch.fused_shared_bytes).
+__device__ __forceinline__ float* row_buffer(const RopeParams& p, const FusionParams& f,
+                                            long long head_dim) {
   extern __shared__ __align__(16) unsigned char fused_shared[];
   const long long threads = static_cast<long long>(ntid_x()) * ntid_y() * ntid_z();
   const long long ring_bytes = f.ring ? threads * kRingDepth * kRingSlotBytes : 0;
-  const long long weight_bytes = f.norm ? 2 * head_dim * static_cast<long long>(sizeof(float)) : 0;
+  const long long weight_bytes = norm_shared_floats(p, f) * static_cast<long long>(sizeof(float));
   const long long group = tid_y() + static_cast<long long>(ntid_y()) * tid_z();
   return reinterpret_cast<float*>(fused_shared + ring_bytes + weight_bytes) + group * head_dim;
 }
@@ -633,6 +650,68 @@ __device__ __forceinline__ Index first_v_head_of(Index first_head, Index head_st
              : first_head + (num_rotated - first_head + head_step - 1) / head_step * head_step;
 }
 
+// ------------------------------------------------------------------------------------------------
+// RMSNorm over all heads of a token (f.all_heads: OLMo 2 normalises the whole q and k
+// projections): the block holds one token and every head of it, so the sums of squares of q's
+// heads and of k's are block reductions, before any head is rotated. The heads are then read
+// again for the rotation (from L1: the block has just read them).
+
+// This thread's share of the sums of squares of the token's q heads and k heads: its chunks of
+// the heads it visits, and its share of the dims past rotary_dim.
+template <typename T, int P, bool VECTOR, bool INTERLEAVED, int A, typename Index>
+__device__ __forceinline__ float2 token_shares(const RopeParams& p, const TokenOffsets<Index>& o,
+                                               Index first_head, Index head_step,
+                                               Index num_rotated, Index num_chunks, Index half,
+                                               Index rotary_dim, Index pass_chunks) {
+  const Index num_q_heads = static_cast<Index>(p.num_q_heads);
+  float q_sum = 0.0f, k_sum = 0.0f;
+  for (Index head = first_head; head < num_rotated; head += head_step) {
+    const HeadRows<T> rows = head_rows<T, Index>(p, o, head);
+    float sum = 0.0f;
+    for (Index lane = tid_x(); lane < num_chunks; lane += ntid_x()) {
+      HeadChunk<T, P, VECTOR, INTERLEAVED> chunk;
+      chunk.load(rows.in, lane * P, half);
+      sum += sum_of_squares(chunk);
+    }
+    for (Index c = tid_x(); c < pass_chunks; c += ntid_x()) {
+      T raw[A];
+      load_elements<VECTOR>(raw, rows.in + rotary_dim + c * A);
+#pragma unroll
+      for (int i = 0; i < A; ++i) sum = fmaf(to_float(raw[i]), to_float(raw[i]), sum);
+    }
+    if (head < num_q_heads) {
+      q_sum += sum;
+    } else {
+      k_sum += sum;
+    }
+  }
+  return make_float2(q_sum, k_sum);
+}
+
+// The block's sums of the threads' (q, k) shares: each warp's by shuffles, then every thread adds
+// the warps' partial sums (kept in `scratch`) in one order, so every thread gets the same sums.
+// Every thread of the block calls this (whole warps, one token a block: the host's geometry).
+__device__ __forceinline__ float2 block_sums(float2 share, float* scratch) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    share.x += __shfl_xor_sync(0xffffffffu, share.x, offset);
+    share.y += __shfl_xor_sync(0xffffffffu, share.y, offset);
+  }
+  const unsigned rank = tid_x() + ntid_x() * (tid_y() + ntid_y() * tid_z());
+  const unsigned warps = (ntid_x() * ntid_y() * ntid_z()) / 32u;
+  if ((rank & 31u) == 0u) {
+    scratch[2 * (rank / 32u)] = share.x;
+    scratch[2 * (rank / 32u) + 1] = share.y;
+  }
+  __syncthreads();
+  float2 sums = make_float2(0.0f, 0.0f);
+  for (unsigned w = 0; w < warps; ++w) {
+    sums.x += scratch[2 * w];
+    sums.y += scratch[2 * w + 1];
+  }
+  __syncthreads();  // every thread has read the scratch before the next token's sums
+  return sums;
+}
+
 // The fused kernel's body: every token this thread's block strides over; per token, its cache
 // slot and cos/sin of the lane's first chunk once, then each head this thread visits: RMSNorm
 // (sum of squares over the lanes), rotation of its chunks, the dims past rotary_dim, and the
@@ -692,8 +771,13 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
   const Index first_token = static_cast<Index>(blockIdx.x) * ntid_z() + tid_z();
   const long long first_position =
       first_token_position<SOURCE>(p, first_token, num_tokens);
-  const float* const norm_weights = f.norm ? fill_norm_weights(f, head_dim) : nullptr;
-  float* const row = ROWS && f.row_scaled ? row_buffer(f, head_dim) : nullptr;
+  // RMSNorm over all heads of a token: q's whole projection, then k's (f.all_heads).
+  const bool all_heads = f.norm && f.all_heads;
+  const Index q_count = all_heads ? num_q_heads * head_dim : head_dim;
+  const Index k_count = all_heads ? static_cast<Index>(p.num_k_heads) * head_dim : head_dim;
+  float* const norm_weights = f.norm ? fill_norm_weights(f, q_count, k_count) : nullptr;
+  float* const row = ROWS && f.row_scaled ? row_buffer(p, f, head_dim) : nullptr;
+  float q_rms = 1.0f, k_rms = 1.0f;  // all heads: the token's q and k norms
 
   for (Index token = first_token; token < num_tokens; token += token_step) {
     TokenState<Index> s;
@@ -704,11 +788,24 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
       if (token != first_token) position = load_position(p, s.o.positions);
     }
 
+    if (all_heads) {
+      const float2 sums = block_sums(
+          token_shares<T, P, VECTOR, INTERLEAVED, A>(p, s.o, first_head, head_step, num_rotated,
+                                                     num_chunks, half, rotary_dim, pass_chunks),
+          norm_weights + q_count + k_count);
+      q_rms = 1.0f / sqrtf(fmaf(sums.x, 1.0f / static_cast<float>(q_count), eps));
+      k_rms = 1.0f / sqrtf(fmaf(sums.y, 1.0f / static_cast<float>(k_count), eps));
+    }
+
     // The norm of a head from its sum of squares over the lanes (every lane of the head calls
-    // this: it shuffles).
+    // this: it shuffles), or (all heads) from the token's.
     auto head_norm = [&](float sum, Index head) {
       HeadNorm norm{nullptr, 1.0f};
-      if (f.norm) {
+      if (all_heads) {
+        const bool is_k = head >= num_q_heads;
+        norm.weights = norm_weights + head * head_dim;  // q's heads, then k's
+        norm.rms_scale = is_k ? k_rms : q_rms;
+      } else if (f.norm) {
         sum = lanes_sum(sum);
         norm.weights = norm_weights + (head >= num_q_heads ? head_dim : 0);
         norm.rms_scale = 1.0f / sqrtf(fmaf(sum, inv_dim, eps));
@@ -782,7 +879,7 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
         const bool out_now = (gathered & kRowOut) == 0u;
         const bool cache_now = (gathered & kRowCache) == 0u;
         float sum = 0.0f;
-        if (f.norm) {
+        if (f.norm && !all_heads) {
           // The sum of squares of the whole head: this lane's chunks and its share of the dims
           // past rotary_dim (read again below, from L1).
           for (Index lane = lane0; lane < num_chunks; lane += ntid_x()) {

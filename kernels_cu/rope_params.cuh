@@ -135,6 +135,11 @@ struct FusionParams {
   // 1: some store is quantised per row; the host then sized a row buffer per head lane group in
   // shared memory (after the ring and the norm weights) and made blockDim.x a power of two.
   long long row_scaled;
+  // 1 (with norm): RMSNorm over all heads of a token together, q's heads and k's apart (OLMo 2,
+  // FlashInfer's fused_qk_rmsnorm_rope); q_weight / k_weight then hold num_heads * head_dim
+  // elements. The host launches one token a block (blockDim.z = 1) and every head in it
+  // (gridDim.y = 1), whole warps, no ring (fused.cuh: token_sums).
+  long long all_heads;
 };
 
 // The one by-value argument of rope_decode_kernel (decode.cuh): what a decode launch reads, in

@@ -4,9 +4,10 @@
 - Every family gives the unpatched logits and parameter gradients: float64 within 1e-10; float32
   and bfloat16 no further from the float64 model than the unpatched model in the same dtype is
   (twice its error, plus a few units of the dtype's rounding). The attention layers of Llama,
-  Mistral, Qwen2 and OLMo 2 (whose norm covers the whole projection, so it stays Hugging Face's)
-  rotate with one ``apply_rope`` call each; Qwen3, Qwen3-MoE and Gemma 3 (per-head q/k norms,
-  Gemma's ``(1 + w)``) with one ``rms_norm_rope`` call each and their q/k norm modules never run;
+  Mistral and Qwen2 rotate with one ``apply_rope`` call each; Qwen3, Qwen3-MoE and Gemma 3
+  (per-head q/k norms, Gemma's ``(1 + w)``) and OLMo 2 (norms over the whole projection:
+  ``norm_over="all_heads"``) with one ``rms_norm_rope`` call each and their q/k norm modules
+  never run;
   Phi and GPT-NeoX (partial rotary / fused QKV split inside the forward) keep their forwards and
   rotate through the replaced ``apply_rotary_pos_emb``.
 - The fused call's outputs against a float64 reference of Hugging Face's formulas (the layer's
@@ -48,7 +49,7 @@ FAMILIES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", {}, "apply_rope"),
     "mistral": ("MistralForCausalLM", "MistralConfig", {"sliding_window": 4}, "apply_rope"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}, "apply_rope"),
-    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}, "apply_rope"),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", {}, "rms_norm_rope"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 16}, "rms_norm_rope"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", {"head_dim": 16, **MOE},
                   "rms_norm_rope"),
@@ -57,8 +58,9 @@ FAMILIES = {
     "phi": ("PhiForCausalLM", "PhiConfig", {"partial_rotary_factor": 0.5}, None),
     "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {"rotary_pct": 0.5}, None),
 }
-QK_NORM = ["qwen3", "qwen3_moe", "gemma3"]
-WEIGHT_OFFSET = {"qwen3": 0.0, "qwen3_moe": 0.0, "gemma3": 1.0}
+QK_NORM = ["qwen3", "qwen3_moe", "gemma3", "olmo2"]
+WEIGHT_OFFSET = {"qwen3": 0.0, "qwen3_moe": 0.0, "gemma3": 1.0, "olmo2": 0.0}
+NORM_OVER = {"olmo2": "all_heads"}  # the others: "head"
 
 
 def tiny_model(family, dtype=torch.float32):
@@ -125,7 +127,7 @@ def norm_calls(monkeypatch):
     """ids of the RMSNorm modules of the QK-norm families whose forward ran (counted on the
     classes: a hook or a forward set on a module would itself turn the fused op off)."""
     ran = []
-    for module_name in ("qwen3", "qwen3_moe", "gemma3"):
+    for module_name in ("qwen3", "qwen3_moe", "gemma3", "olmo2"):
         module = sys.modules.get(f"transformers.models.{module_name}.modeling_{module_name}")
         if module is None:
             module = __import__(f"transformers.models.{module_name}.modeling_{module_name}",
@@ -209,12 +211,15 @@ def test_models_match_unpatched_within_rounding(family, dtype, spy, norm_calls):
         assert_no_worse(g, u, e, str(dtype)[6:], f"{family} {'logits' if i == 0 else f'grad {i}'}")
 
 
-def _norm_rope64(x, weight, eps, weight_offset, cos, sin):
-    """Hugging Face's per-head RMSNorm then ``q * cos + rotate_half(q) * sin``, in float64 on
-    ``[B, S, H, D]`` with ``[B, S, D]`` tables."""
+def _norm_rope64(x, weight, eps, weight_offset, cos, sin, norm_over="head"):
+    """Hugging Face's per-head RMSNorm (``"all_heads"``: OLMo 2's over the whole projection)
+    then ``q * cos + rotate_half(q) * sin``, in float64 on ``[B, S, H, D]`` with ``[B, S, D]``
+    tables."""
     x = x.double()
-    normed = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-    normed = normed * (weight_offset + weight.double())
+    dims = (-2, -1) if norm_over == "all_heads" else (-1,)
+    normed = x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
+    w = weight.double().reshape(x.shape[-2:]) if norm_over == "all_heads" else weight.double()
+    normed = normed * (weight_offset + w)
     half = x.shape[-1] // 2
     rotated = torch.cat((-normed[..., half:], normed[..., :half]), dim=-1)
     return normed * cos.double()[:, :, None] + rotated * sin.double()[:, :, None]
@@ -243,9 +248,10 @@ def test_fused_call_takes_each_layers_weights_eps_and_offset(family, dtype, spy)
         assert k.shape[1:] == (9, TINY["num_key_value_heads"], 16)
         assert kwargs["eps"] == model.config.rms_norm_eps
         assert kwargs["weight_offset"] == WEIGHT_OFFSET[family]
+        assert kwargs["norm_over"] == NORM_OVER.get(family, "head")
         for x, weight, out in ((q, q_weight, outputs[0]), (k, k_weight, outputs[1])):
             exact = _norm_rope64(x, weight, model.config.rms_norm_eps, WEIGHT_OFFSET[family],
-                                 kwargs["cos"], kwargs["sin"])
+                                 kwargs["cos"], kwargs["sin"], kwargs["norm_over"])
             assert out.dtype == dtype and out.shape == x.shape
             scale = exact.abs().amax(dim=-1, keepdim=True)
             bound = scale * (2 * unit_roundoff(str(dtype)[6:]) + 64 * 2.0 ** -24)
@@ -298,11 +304,11 @@ def test_norm_weights_of_another_dtype_run_the_layers_norms(spy, norm_calls):
         assert_no_worse(g, u, e, "bfloat16", "gemma3 with float32 norm weights")
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "olmo2"])
 def test_hooks_on_the_norms_run(family, spy):
     """A hook registered on a q_norm after the patch runs (that layer takes its own norms);
-    one registered before leaves Qwen3's layer with its norms and the plain rotation, and
-    Gemma 3's (which normalises after the transpose) unreplaced."""
+    one registered before leaves Qwen3's and OLMo 2's layer with its norms and the plain
+    rotation, and Gemma 3's (which normalises after the transpose) unreplaced."""
     def double_it(module, args, output):
         return output * 2
 
@@ -322,7 +328,7 @@ def test_hooks_on_the_norms_run(family, spy):
         layers = patch.layers
         got = model(ids).logits
     handle.remove()
-    plain = {"model.layers.0.self_attn": "apply_rope"} if family == "qwen3" else {}
+    plain = {"model.layers.0.self_attn": "apply_rope"} if family != "gemma3" else {}
     assert layers == {**plain, "model.layers.1.self_attn": "rms_norm_rope"}
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -415,6 +421,31 @@ class GemmaStyle(_Heads):
         return query_states, key_states
 
 
+class OlmoStyle(_Heads):
+    def forward(self, hidden_states, position_embeddings):
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states))
+        key_states = self.k_norm(self.k_proj(hidden_states))
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
+        key_states = key_states.view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return query_states, key_states
+
+
+class NormsOnOneProjection(_Heads):
+    """q's norm over the projection, k's over each head: no one place, nothing fused."""
+
+    def forward(self, hidden_states, position_embeddings):
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states))
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return query_states, key_states
+
+
 class ReadsQBetween(_Heads):
     def forward(self, hidden_states, position_embeddings):
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
@@ -489,6 +520,31 @@ def test_forward_reader_knows_the_two_norm_placements():
         assert (form.q_norm, form.k_norm, form.can_fuse) == ("q_norm", "k_norm", True)
         assert form.norms_after_transpose is after
         assert form.names == ("query_states", "key_states", "cos", "sin")
+
+
+def test_forward_reader_knows_norms_over_the_whole_projection():
+    """OLMo 2's placement: ``x = self.norm(<projection>)`` before ``x.view(...).transpose(1,
+    2)``; its fused build hands ``rotate`` the unnormalised ``[B, S, H, D]`` projections. A layer
+    with q's norm there and k's on each head fuses nothing."""
+    form = hf_attention.attention_form(OlmoStyle.forward)
+    assert (form.q_norm, form.k_norm, form.can_fuse) == ("q_norm", "k_norm", True)
+    assert form.norms_over_projection and not form.norms_after_transpose
+    seen = []
+
+    def rotate(attention, q, k, cos, sin):
+        seen.append((q, k))
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+    layer = OlmoStyle()
+    layer.q_norm = layer.k_norm = None  # the fused build must not call them
+    x = torch.randn(2, 3, 8)
+    forward = form.build(rotate, fused=True).__get__(layer)
+    forward(x, (None, None))
+    q, k = seen[0]
+    assert q.shape == k.shape == (2, 3, 2, 4) and torch.equal(q.flatten(-2), x)
+    mixed = hf_attention.attention_form(NormsOnOneProjection.forward)
+    assert mixed.q.norm_at == "projection" and mixed.k.norm_at == "definition"
+    assert not mixed.can_fuse
 
 
 @pytest.mark.parametrize("cls", [ReadsQBetween, OtherTranspose, RotatesTwice, KeywordCall,
@@ -576,7 +632,7 @@ def test_gpu_bfloat16_models_match_unpatched(family, spy):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2"])
 def test_gpu_decode_steps_with_a_kv_cache(family):
     """Greedy decoding under inference_mode (the repeat-call path from the second step on):
     the patched model's logits at every step within bfloat16 rounding of the unpatched ones."""

@@ -390,7 +390,7 @@ def op_args(name: str, **given) -> tuple:
     """Positional arguments of operator ``name`` from its schema's argument names (the options
     the public functions default to where not given)."""
     defaults = dict(theta=10000.0, interleaved=False, inverse=False, weight_offset=0.0,
-                    layout="NHD", validate=False)
+                    layout="NHD", validate=False, norm_over="head")
     schema = getattr(torch.ops.cupyrope, name).default._schema
     return tuple(given.get(a.name, defaults.get(a.name)) for a in schema.arguments)
 

@@ -634,22 +634,17 @@ def fused_qk_rmsnorm_rope(qkv, q_weight, k_weight, *, ppf, pph, ppw, num_frame_c
 
     Notes
     -----
-    Three cupyrope launches (four when q and k have different head counts) where FlashInfer's
-    kernel takes one, because cupyrope's norm is per head: :func:`cupyrope.rms_norm_rope`
-    normalises q and k seen as one head of ``H * head_dim`` each (one launch for both when
-    their head counts agree, else one each), under the exact identity rotation
-    (``x * 1 - y * 0``), rounding to bfloat16 as FlashInfer's kernel does at that point, into
-    q_out and k_out themselves; then :func:`cupyrope.apply_rope` turns them in place by the 3D
-    RoPE as M-RoPE (``mrope_section`` of the three groups' pairs) from a
-    ``[max(ppf, pph, ppw), head_dim]`` float32 table made in float64, at ``[3, seq_len]``
-    positions; v is copied (``Tensor.copy_``). With ``output_fp8`` the norm writes bfloat16
-    intermediates, the rotation new fp8 tensors (given ``*_out`` buffers are then filled by an
-    fp8 copy each) and v is quantised by an identity rotation; FlashInfer keeps the normalised
-    values in float32 there: an error of up to half a bfloat16 ulp of the head's largest value,
-    below the fp8 rounding except where the rotation cancels to a small value. The table and
-    positions are made once per device and arguments and kept; a first call inside a CUDA
-    graph capture raises (call once before capturing). Angles come from float64 (FlashInfer:
-    float32 frequencies and fast-math sincos).
+    One cupyrope launch for q and k where FlashInfer's kernel takes one for q, k and v:
+    :func:`cupyrope.rms_norm_rope` with ``norm_over="all_heads"`` normalises all heads of q
+    (of k) together in float32 and turns them by the 3D RoPE as M-RoPE (``mrope_section`` of
+    the three groups' pairs) from a ``[max(ppf, pph, ppw), head_dim]`` float32 table made in
+    float64, at ``[3, seq_len]`` positions, rounded once into q_out and k_out (bfloat16, or fp8
+    with the reciprocal of ``output_quant_scale`` as cupyrope's scale); v is copied
+    (``Tensor.copy_``, or an fp8 quantisation of its own). Without the norm, one
+    :func:`cupyrope.apply_rope`. The table and positions are made once per device and
+    arguments and kept; a first call inside a CUDA graph capture raises (call once before
+    capturing). Angles come from float64 (FlashInfer: float32 frequencies and fast-math
+    sincos).
     """
     op_name = NORM_ROPE
     sizes = {name: count(value, name, op_name, minimum=minimum)
@@ -705,25 +700,35 @@ def fused_qk_rmsnorm_rope(qkv, q_weight, k_weight, *, ppf, pph, ppw, num_frame_c
     rope = dict(cos_sin_cache=table, scaling={"mrope_section": [c // 2 for c in channels]},
                 interleaved=interleave)
 
+    fp8 = {}
     if output_fp8:
-        if is_qk_norm:
-            q, k = _video_norm(q, k, weights, eps, heads)
         scale = _reciprocal(scales[0])
-        results = [*cupyrope_apply_rope(q, k, positions, out_dtype=out_dtype, q_scale=scale,
-                                        k_scale=scale, **rope),
-                   _fp8_copy(v, _reciprocal(scales[1]), out_dtype)]
-        for out, result in zip(outs, results):
+        fp8 = dict(out_dtype=out_dtype, q_scale=scale, k_scale=scale)
+    if is_qk_norm:  # the norm over all heads and the rotation: one launch, into q_out / k_out
+        targets = None
+        if outs[0] is not None or outs[1] is not None:
+            targets = tuple(out if out is not None else torch.empty(like.shape, dtype=out_dtype,
+                                                                    device=qkv.device)
+                            for out, like in zip(outs[:2], (q, k)))
+        results = list(rms_norm_rope(q, k, *weights, positions, eps=eps, norm_over="all_heads",
+                                     out=targets, **fp8, **rope))
+    elif output_fp8:
+        results = list(cupyrope_apply_rope(q, k, positions, **fp8, **rope))
+        for out, result in zip(outs[:2], results):
             if out is not None:  # the rotation cannot write fp8 into given tensors
                 out.copy_(result)
     else:
         results = [out if out is not None else torch.empty(like.shape, dtype=out_dtype,
                                                            device=qkv.device)
-                   for out, like in zip(outs, (q, k, v))]
-        if is_qk_norm:  # the norm writes q_out and k_out, the rotation turns them in place
-            _video_norm(q, k, weights, eps, heads, out=results[:2])
-            cupyrope_apply_rope(results[0], results[1], positions, inplace=True, **rope)
-        else:
-            cupyrope_apply_rope(q, k, positions, out=(results[0], results[1]), **rope)
+                   for out, like in zip(outs[:2], (q, k))]
+        cupyrope_apply_rope(q, k, positions, out=(results[0], results[1]), **rope)
+    if output_fp8:
+        results.append(_fp8_copy(v, _reciprocal(scales[1]), out_dtype))
+        if outs[2] is not None:
+            outs[2].copy_(results[2])
+    else:
+        results.append(outs[2] if outs[2] is not None else torch.empty(
+            v.shape, dtype=out_dtype, device=qkv.device))
         results[2].copy_(v)
     given = (q_out, k_out, v_out)
     return tuple(out if out is not None else result.view(_video_out_shape(result, qkv))
@@ -759,26 +764,6 @@ def _refuse_beyond_flashinfer(qkv, weights, outs, head_dim: int, heads, op_name:
     if qkv.device.type != "cuda":
         raise ValueError(f"{op_name}: qkv must be a CUDA tensor, got one on {qkv.device}; on "
                          f"that device, {VIDEO_ELSEWHERE}")
-
-
-def _video_norm(q, k, weights, eps: float, heads, out=None):
-    """RMSNorm of q and of k (``[..., H, head_dim]``) over all their heads, rounded to the output
-    dtype: each seen as one head of ``H * head_dim`` under the exact identity rotation, one
-    launch for both when their head counts agree. Into ``out`` (q_out, k_out) when given, else
-    new tensors; returns the results shaped as q and k."""
-    flat = [x.flatten(-2).unsqueeze(-2) for x in (q, k)]
-    # view, not flatten: a copy made here would take the results and drop them
-    targets = (None, None) if out is None else [o.view(*o.shape[:-2], 1, o.shape[-2:].numel())
-                                                for o in out]
-    identity, zero = identity_rotation(q)
-    norm = dict(eps=eps, cos_sin_cache=identity, rotary_dim=2)
-    if heads[0] == heads[1]:
-        normed = rms_norm_rope(*flat, *weights, zero, **norm,
-                               out=None if out is None else tuple(targets))
-    else:  # heads of different widths: one launch each
-        normed = [rms_norm_rope(x, None, w, None, zero, **norm, out=target)
-                  for x, w, target in zip(flat, weights, targets)]
-    return [x.view(like.shape) for x, like in zip(normed, (q, k))]
 
 
 def _video_out_shape(result, qkv) -> tuple:

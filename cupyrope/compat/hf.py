@@ -147,11 +147,11 @@ def patch_hf_model(model, *, check=True, attention=True) -> HFPatch:
     forward, set on the layer, that rotates the projections before that transpose: one launch
     with no layout work around it. In the QK-norm models whose q_norm / k_norm are per-head
     RMSNorms (Qwen3, Qwen3-MoE: ``w * x``; Gemma 3: ``(1 + w) * x``) that launch is
-    :func:`cupyrope.rms_norm_rope`: the norm and the rotation in one pass, forward and backward.
-    Every other statement of the forward is the class's own code. Calls that the fused op cannot
-    take as Hugging Face computes them (mixed dtypes, float64, hooks on the norms) run the
-    layer's norms and then the rotation. OLMo 2 normalises the whole projection, not each head:
-    its norms stay Hugging Face's and only the rotation is replaced. Modules whose function
+    :func:`cupyrope.rms_norm_rope`: the norm and the rotation in one pass, forward and backward;
+    OLMo 2, whose norms cover the whole projection before it is split into heads, runs it with
+    ``norm_over="all_heads"``. Every other statement of the forward is the class's own code.
+    Calls that the fused op cannot take as Hugging Face computes them (mixed dtypes, float64,
+    hooks on the norms) run the layer's norms and then the rotation. Modules whose function
     returns q and k in their own dtypes rather than promoted with the tables (OLMo, OLMo 2,
     ModernBERT: float32 tables in a bfloat16 model) get a replacement that does the same.
 
@@ -315,36 +315,51 @@ def _runs_plainly(module) -> bool:
                 or _MODULE_HOOKS._global_forward_pre_hooks)
 
 
-def _norm_rotation(q_attr: str, k_attr: str, norms_after_transpose: bool, rotary):
+def _norm_rotation(q_attr: str, k_attr: str, norms_after_transpose: bool, rotary,
+                   over_projection: bool = False):
     """The rotation of a rewritten QK-norm forward: q and k arrive as the ``[B, S, H, D]``
     projections before their norms (``self.<q_attr>``, ``self.<k_attr>``) and leave normalised
-    and rotated as ``[B, H, S, D]`` views, through one :func:`cupyrope.rms_norm_rope` launch.
+    and rotated as ``[B, H, S, D]`` views, through one :func:`cupyrope.rms_norm_rope` launch
+    (``over_projection``: the norm of each whole projection, all heads together, as OLMo 2's).
     Calls the fused op cannot take as Hugging Face computes them run the layer's own norms, in
-    the layer's own order (before or after the transpose), then ``rotary`` (what replaced the
-    module's apply_rotary_pos_emb)."""
+    the layer's own order (before or after the transpose, or on the projection), then
+    ``rotary`` (what replaced the module's apply_rotary_pos_emb)."""
+    # Rotations that return q's and k's own dtypes (OLMo 2's) round once to q's dtype whatever
+    # the tables' dtype, as the fused op does; the others promote to the tables' dtype.
+    any_tables = rotary is _hf_apply_rotary_pos_emb_in_input_dtypes
+    norm_over = "all_heads" if over_projection else "head"
 
     def rotate(attention, q, k, cos, sin):
         submodules = attention._modules  # nn.Module.__getattr__ costs more than the checks
         q_norm, k_norm = submodules.get(q_attr), submodules.get(k_attr)
         form = _RMS_NORM_FORMS.get(type(q_norm))
         if (form is not None and type(k_norm) is type(q_norm) and q.dtype in _FUSED_DTYPES
-                and q.dtype == k.dtype == cos.dtype == sin.dtype and q.dim() == 4
-                and cos.dim() == 3 and _runs_plainly(q_norm) and _runs_plainly(k_norm)):
+                and q.dtype == k.dtype and cos.dtype == sin.dtype
+                and (cos.dtype == q.dtype or any_tables and cos.dtype in _FUSED_DTYPES)
+                and q.dim() == 4 and cos.dim() == 3 and _runs_plainly(q_norm)
+                and _runs_plainly(k_norm)):
             q_weight = q_norm._parameters.get("weight")
             k_weight = k_norm._parameters.get("weight")
             eps = q_norm.__dict__.get(form.eps_name)
             if (q_weight is not None and k_weight is not None and q_weight.dtype == q.dtype
                     and k_weight.dtype == q.dtype
-                    and k_norm.__dict__.get(form.eps_name) == eps):
+                    and k_norm.__dict__.get(form.eps_name) == eps
+                    and (not over_projection
+                         or (q_weight.numel() == q.shape[-2] * q.shape[-1]
+                             and k_weight.numel() == k.shape[-2] * k.shape[-1]))):
                 if not _grad_enabled():
                     # Parameters require grad even under no_grad / inference_mode, which keeps
                     # a call off the repeat-call path: without autograd they are plain arrays.
                     q_weight, k_weight = q_weight.detach(), k_weight.detach()
                 q, k = rms_norm_rope(q, k, q_weight, k_weight, eps=eps,
-                                     weight_offset=form.weight_offset, cos=cos, sin=sin)
+                                     weight_offset=form.weight_offset, cos=cos, sin=sin,
+                                     norm_over=norm_over)
                 return q.transpose(1, 2), k.transpose(1, 2)
         q_norm, k_norm = getattr(attention, q_attr), getattr(attention, k_attr)
-        if norms_after_transpose:
+        if over_projection:  # the layer's norms on the whole projections, then the heads
+            q = q_norm(q.flatten(-2)).view(q.shape).transpose(1, 2)
+            k = k_norm(k.flatten(-2)).view(k.shape).transpose(1, 2)
+        elif norms_after_transpose:
             q, k = q_norm(q.transpose(1, 2)), k_norm(k.transpose(1, 2))
         else:
             q, k = q_norm(q).transpose(1, 2), k_norm(k).transpose(1, 2)
@@ -361,7 +376,8 @@ def _rewritten(form, fused: bool, rotary):
     of its module's apply_rotary_pos_emb."""
     key = (form.function, fused, rotary)
     if key not in _FORWARDS:
-        rotate = (_norm_rotation(form.q_norm, form.k_norm, form.norms_after_transpose, rotary)
+        rotate = (_norm_rotation(form.q_norm, form.k_norm, form.norms_after_transpose, rotary,
+                                 form.norms_over_projection)
                   if fused else _ROTATIONS[rotary])
         _FORWARDS[key] = form.build(rotate, fused=fused)
     return _FORWARDS[key]
@@ -393,8 +409,9 @@ def _attention_forwards(model, installed: dict) -> dict:
 
 
 def _fusable_norms(layer, form) -> bool:
-    """Whether ``layer``'s q and k norms are per-head RMSNorms of one class (and eps) that
-    :func:`cupyrope.rms_norm_rope` computes, over the layer's ``head_dim``, with no hooks."""
+    """Whether ``layer``'s q and k norms are RMSNorms of one class (and eps) that
+    :func:`cupyrope.rms_norm_rope` computes, over the layer's ``head_dim`` (or, on the whole
+    projections, over whole heads of it), with no hooks."""
     q_norm, k_norm = layer._modules.get(form.q_norm), layer._modules.get(form.k_norm)
     head_dim = getattr(layer, "head_dim", None)
     if (q_norm is None or type(k_norm) is not type(q_norm) or not isinstance(head_dim, int)
@@ -402,7 +419,10 @@ def _fusable_norms(layer, form) -> bool:
         return False
     for norm in (q_norm, k_norm):
         weight = norm._parameters.get("weight")
-        if weight is None or tuple(weight.shape) != (head_dim,):
+        if weight is None or weight.dim() != 1:
+            return False
+        width = weight.shape[0]
+        if width != head_dim if not form.norms_over_projection else width % head_dim:
             return False
     norm_form = _rms_norm_form(q_norm)
     return (norm_form is not None and q_norm.__dict__.get(norm_form.eps_name)

@@ -2,7 +2,8 @@
 
 The attention layers of the Llama family project q and k, move the heads axis in front of the
 tokens (``.view(hidden_shape).transpose(1, 2)``), in the QK-norm models normalise each head
-(``self.q_norm`` / ``self.k_norm``: Qwen3 before the transpose, Gemma 3 after it) and call
+(``self.q_norm`` / ``self.k_norm``: Qwen3 before the transpose, Gemma 3 after it; OLMo 2
+normalises the whole projection before the view) and call
 ``apply_rotary_pos_emb(q, k, cos, sin)``. :func:`attention_form` reads the source of such a
 ``forward``; :meth:`AttentionForm.build` compiles a copy of it in which the rotation statement
 calls a given function on the projections' own ``[B, S, H, D]`` views (the transposes of q and k
@@ -37,11 +38,15 @@ class HeadsFirst:
     """How one of q and k reaches the rotation: the statement that assigns it
     ``<inner>.transpose(1, 2)`` (its index in the body), and its norm: the attribute of ``self``
     that normalises it (None: no norm) and where: ``"definition"`` (``self.norm(x).transpose(1,
-    2)``, Qwen3) or the index of a later ``x = self.norm(x)`` statement (Gemma 3)."""
+    2)``, Qwen3), the index of a later ``x = self.norm(x)`` statement (Gemma 3), or
+    ``"projection"``: an earlier ``x = self.norm(<projection>)`` statement (at
+    ``projection_index``) normalises the whole projection before ``x.view(...)`` splits it into
+    heads (OLMo 2)."""
 
     index: int
     norm: str | None
     norm_at: str | int | None
+    projection_index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,11 +78,20 @@ class AttentionForm:
         return isinstance(self.q.norm_at, int)
 
     @property
+    def norms_over_projection(self) -> bool:
+        """Whether the layer normalises the whole projections, all heads together (OLMo 2),
+        rather than each head."""
+        return self.q.norm_at == "projection"
+
+    @property
     def can_fuse(self) -> bool:
-        """Both q and k have a norm, at the same place (both in their definitions or both in
-        statements after them)."""
+        """Both q and k have a norm, at the same place (both in their definitions, both in
+        statements after them, or both on the projections before the heads are split)."""
+        def place(heads):
+            return "after" if isinstance(heads.norm_at, int) else heads.norm_at
+
         return (self.q.norm is not None and self.k.norm is not None
-                and isinstance(self.q.norm_at, int) == isinstance(self.k.norm_at, int))
+                and place(self.q) == place(self.k))
 
     def build(self, rotate, *, fused: bool) -> types.FunctionType:
         """A copy of the forward whose rotation statement is ``q, k = rotate(self, q, k, cos,
@@ -96,6 +110,9 @@ class AttentionForm:
             inner = assignment.value.func.value  # <inner>.transpose(1, 2)
             if fused and heads.norm_at == "definition":
                 inner = inner.args[0]  # self.norm(x) -> x
+            elif fused and heads.norm_at == "projection":
+                statement = body[heads.projection_index]  # x = self.norm(<projection>)
+                statement.value = statement.value.args[0]
             elif fused:
                 dropped.add(heads.norm_at)  # the statement x = self.norm(x)
             assignment.value = inner
@@ -230,7 +247,33 @@ def _heads_first(body, rotation: int, name: str, self_name: str) -> HeadsFirst |
         if norm is not None:
             return None  # normalised twice: not a form this module knows
         norm, norm_at = wrapped, "definition"
+    if norm is None and _is_view_of(inner, name):
+        # x = self.norm(<projection>); ...; x = x.view(...).transpose(1, 2): the norm of the
+        # whole projection, when that statement is the one that defines x
+        for earlier in range(index - 1, -1, -1):
+            if _mentions(body[earlier], name):
+                norm = _projection_norm(body[earlier], name, self_name)
+                if norm is not None:
+                    return HeadsFirst(index, norm, "projection", projection_index=earlier)
+                break
     return HeadsFirst(index, norm, norm_at)
+
+
+def _is_view_of(node, name: str) -> bool:
+    """Whether ``node`` is ``name.view(<one argument>)``."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "view" and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == name and len(node.args) == 1 and not node.keywords)
+
+
+def _projection_norm(statement, name: str, self_name: str) -> str | None:
+    """``attr`` of a statement ``name = self.attr(<expr not reading name>)``, else None."""
+    if (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+            and isinstance(statement.targets[0], ast.Name) and statement.targets[0].id == name):
+        attr = _self_call(statement.value, self_name)
+        if attr is not None and not _mentions(statement.value, name):
+            return attr
+    return None
 
 
 def _mentions(statement, name: str) -> bool:

@@ -64,6 +64,9 @@ class FusionPlan:
     k_weight: ArrayInfo | None = None
     eps: float = 0.0
     weight_offset: float = 0.0
+    # RMSNorm over all heads of a token together (q's, and k's apart; OLMo 2), with weights of
+    # num_heads * head_dim elements; else over each head (Qwen3, Gemma 3).
+    all_heads: bool = False
     out_dtype: str | None = None  # fp8 dtype of q_out / k_out; None: the input dtype
     q_scale: Scale | None = None
     k_scale: Scale | None = None
@@ -309,11 +312,31 @@ def _plan_row_scales(plan: "FusionPlan", q: ArrayInfo, k: ArrayInfo | None, per_
                          "scales (no k, or no fp8 store)")
 
 
-def _weight(value, name: str, op_name: str, q: ArrayInfo, head_dim: int) -> ArrayInfo:
+# What the norm of the fused ops normalises over (``norm_over``): each head, or all heads of a
+# token together (q's, and k's apart).
+NORM_OVER = ("head", "all_heads")
+
+
+def _weight(value, name: str, op_name: str, q: ArrayInfo, head_dim: int,
+            num_heads: int | None = None) -> ArrayInfo:
+    """A norm weight: ``(head_dim,)``, or with ``num_heads`` (the norm over all heads) ``(num_heads
+    * head_dim,)`` or ``(num_heads, head_dim)`` laid out as one run of equal steps."""
     info = describe(value, name)
-    if info.shape != (head_dim,):
-        raise ValueError(f"{op_name}: {name} must have shape ({head_dim},) (head_dim), got "
-                         f"{info.shape}")
+    if num_heads is None:
+        if info.shape != (head_dim,):
+            raise ValueError(f"{op_name}: {name} must have shape ({head_dim},) (head_dim), got "
+                             f"{info.shape}")
+    else:
+        size = num_heads * head_dim
+        if info.shape not in ((size,), (num_heads, head_dim)):
+            raise ValueError(f"{op_name}: with norm_over='all_heads' {name} must have shape "
+                             f"({size},) or ({num_heads}, {head_dim}) (num_heads * head_dim), "
+                             f"got {info.shape}")
+        if info.ndim == 2 and num_heads > 1 and info.strides[0] != head_dim * info.strides[1]:
+            raise ValueError(f"{op_name}: {name} of shape {info.shape} must be one run of equal "
+                             f"steps (strides ({head_dim * info.strides[1]}, "
+                             f"{info.strides[1]})), got strides {info.strides}: pass "
+                             f"{name}.reshape(-1) of a contiguous copy")
     if info.dtype not in WEIGHT_DTYPES:
         raise TypeError(f"{op_name}: {name} must be one of {WEIGHT_DTYPES}, got {info.dtype}")
     if info.device != q.device:
@@ -325,7 +348,7 @@ def plan_fusion(op_name: str, q: ArrayInfo, k: ArrayInfo | None, *, q_weight=Non
                 eps=None, weight_offset=0.0, norm=False, out_dtype=None, q_scale=None,
                 k_scale=None, v=None, k_cache=None, v_cache=None, slot_mapping=None,
                 layout="NHD", v_scale=None, cache_dtype=None, k_cache_scales=None,
-                v_cache_scales=None, rotate=True) -> FusionPlan:
+                v_cache_scales=None, rotate=True, norm_over="head") -> FusionPlan:
     """Check the fused part of a call (see :func:`cupyrope.rms_norm_rope`,
     :func:`cupyrope.rope_and_cache` and :func:`cupyrope.write_cache` for the arguments)."""
     if q.dtype not in WEIGHT_DTYPES:
@@ -337,8 +360,14 @@ def plan_fusion(op_name: str, q: ArrayInfo, k: ArrayInfo | None, *, q_weight=Non
     if not plan.rotate and (norm or out_dtype is not None or k_cache is None):
         raise ValueError(f"{op_name}: a call without rotation only writes k and v into a KV cache "
                          "(no norm, no fp8 outputs)")
+    if not isinstance(norm_over, str) or norm_over not in NORM_OVER:
+        raise ValueError(f"{op_name}: norm_over must be one of {NORM_OVER}, got {norm_over!r}")
+    if norm_over != "head" and not norm:
+        raise ValueError(f"{op_name}: norm_over={norm_over!r} is only used with the norm (pass "
+                         "q_weight and k_weight)")
     if norm:
         plan.norm = True
+        plan.all_heads = norm_over == "all_heads"
         if eps is None:
             raise TypeError(f"{op_name}: eps is required (e.g. eps=1e-6, the model's rms_norm_eps)")
         plan.eps = check_real(eps, "eps", op_name)
@@ -347,11 +376,12 @@ def plan_fusion(op_name: str, q: ArrayInfo, k: ArrayInfo | None, *, q_weight=Non
         plan.weight_offset = check_real(weight_offset, "weight_offset", op_name)
         if q_weight is None:
             raise TypeError(f"{op_name}: q_weight is required")
-        plan.q_weight = _weight(q_weight, "q_weight", op_name, q, head_dim)
+        heads = (lambda x: x.shape[-2]) if plan.all_heads else (lambda x: None)
+        plan.q_weight = _weight(q_weight, "q_weight", op_name, q, head_dim, heads(q))
         if k is not None:
             if k_weight is None:
                 raise TypeError(f"{op_name}: k_weight is required when k is given")
-            plan.k_weight = _weight(k_weight, "k_weight", op_name, q, head_dim)
+            plan.k_weight = _weight(k_weight, "k_weight", op_name, q, head_dim, heads(k))
             if plan.k_weight.dtype != plan.q_weight.dtype:
                 raise TypeError(f"{op_name}: q_weight and k_weight must have one dtype, got "
                                 f"{plan.q_weight.dtype} and {plan.k_weight.dtype}")

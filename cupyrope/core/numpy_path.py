@@ -208,7 +208,10 @@ def fused_on_host(plan: RopePlan, outputs) -> None:
         x = np.asarray(host_view(info)).astype(np.float32)
         if f.norm:
             weight = host_view(f.q_weight if which == 0 else f.k_weight).astype(np.float32)
-            mean = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+            # Over each head, or over all heads of the token together (weights of every head).
+            axes = (-2, -1) if f.all_heads else -1
+            weight = weight.reshape(x.shape[-2:]) if f.all_heads else weight
+            mean = np.mean(x * x, axis=axes, keepdims=True, dtype=np.float32)
             rms = np.float32(1) / np.sqrt(mean + np.float32(f.eps))
             x = x * (rms * (np.float32(f.weight_offset) + weight))
         y = x.copy()

@@ -401,11 +401,14 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                               sin_offset, vector, fused_decode_struct(fusion_params))
         fusion_params["ring"] = ring
         extra_heads = plan.num_k_heads if fusion.writes_cache else 0
-        block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
-                                      multiprocessors, extra_heads=extra_heads,
-                                      power_of_two_lanes=fusion.norm or fusion.row_scaled,
-                                      lean_pass_lanes=(lean_pass_lanes(plan, pairs, copy_pass)
-                                                       if lean else 0))
+        if fusion.all_heads:
+            block, grid = all_heads_geometry(plan, access, pairs, copy_pass, extra_heads)
+        else:
+            block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
+                                          multiprocessors, extra_heads=extra_heads,
+                                          power_of_two_lanes=fusion.norm or fusion.row_scaled,
+                                          lean_pass_lanes=(lean_pass_lanes(plan, pairs, copy_pass)
+                                                           if lean else 0))
         if fusion.row_scaled:
             block, grid = fit_row_buffers(plan, fusion, block, grid)
         shared_bytes = 0 if lean else fused_shared_bytes(plan, fusion, ring, block)
@@ -458,6 +461,8 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
                        angle_arithmetic=(device_angle_arithmetic(device)
                                          if plan.source == AngleSource.COMPUTED else None))
     kernel = compiled(spec.kernel)
+    if spec.shared_bytes > MAX_SHARED_ANGLE_BYTES:
+        allow_shared_bytes(kernel, device, spec.shared_bytes, plan.op_name)
     recipe = LaunchRecipe(kernel.ptr, device, spec.grid, spec.block, spec.params, spec.sin_offset,
                           spec.vector, inv_freq, spec.shared_bytes, spec.kernel,
                           fusion_params=spec.fusion_params,
@@ -604,7 +609,9 @@ def fused_lean_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_
                                 table_vector_ok=table_vector_ok, mrope_ok=True)
             and (plan.rotary_dim == plan.head_dim or partial_ok)
             and plan.head_dim // lanes <= 32 and plan.head_dim % 4 == 0
-            and not (plan.fusion is not None and plan.fusion.row_scaled))  # rows: general kernel
+            # rows, and the norm over all heads: the general kernel
+            and not (plan.fusion is not None
+                     and (plan.fusion.row_scaled or plan.fusion.all_heads)))
 
 
 def lean_pass_lanes(plan: RopePlan, pairs: int, copy_pass: bool) -> int:
@@ -672,16 +679,73 @@ def _norm_weights_vector_ok(fusion) -> bool:
 def fused_ring(plan: RopePlan, fusion, vector: bool) -> bool:
     return (vector and (fusion.norm or fusion.writes_cache) and plan.rotary_dim > 0
             and plan.num_tokens >= FUSED_RING_MIN_TOKENS
-            and not fusion.row_scaled)  # rows are gathered instead (kernels_cu/fused.cuh)
+            and not fusion.row_scaled  # rows are gathered instead (kernels_cu/fused.cuh)
+            and not fusion.all_heads)  # every head is read for the token's sums first
+
+
+# The norm over all heads: per warp, a q and a k partial sum in shared memory after the weights
+# (kAllHeadsScratch in kernels_cu/fused.cuh).
+ALL_HEADS_SCRATCH_FLOATS = 2 * 32
+
+
+def norm_shared_floats(plan: RopePlan, fusion) -> int:
+    """The norm weights of a fused launch in shared memory, in float32s (norm_shared_floats in
+    kernels_cu/fused.cuh): q's and k's head_dim each, or with the norm over all heads their
+    whole projections, then the sums' scratch."""
+    if not fusion.norm:
+        return 0
+    if not fusion.all_heads:
+        return 2 * plan.head_dim
+    return (plan.num_q_heads + plan.num_k_heads) * plan.head_dim + ALL_HEADS_SCRATCH_FLOATS
 
 
 def fused_shared_bytes(plan: RopePlan, fusion, ring: bool, block) -> int:
     """Dynamic shared memory of a fused launch: the ring of chunks in flight (when used), then
-    the norm weights of q and k as float32, then (stores quantised per row) a row of head_dim
-    float32 per head lane group (blockDim.y x blockDim.z)."""
+    the norm weights of q and k as float32 (:func:`norm_shared_floats`), then (stores quantised
+    per row) a row of head_dim float32 per head lane group (blockDim.y x blockDim.z)."""
     ring_bytes = FUSED_RING_BYTES_PER_THREAD * block[0] * block[1] * block[2] if ring else 0
     row_bytes = 4 * plan.head_dim * block[1] * block[2] if fusion.row_scaled else 0
-    return ring_bytes + (2 * plan.head_dim * 4 if fusion.norm else 0) + row_bytes
+    return ring_bytes + 4 * norm_shared_floats(plan, fusion) + row_bytes
+
+
+def all_heads_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool,
+                       extra_heads: int):
+    """(block, grid) of a fused launch with the norm over all heads (kernels_cu/fused.cuh:
+    block_sums): one token a block (blockDim.z = 1) and every head of it in that block
+    (gridDim.y = 1), whole warps. x: the lanes of a head, a power of two (the per-head launches'
+    lanes); y: head lanes, as many as fit, each thread taking the same number of heads."""
+    chunks = (plan.rotary_dim // 2) // pairs
+    pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
+    lanes = 1 << (max(1, min(chunks or pass_chunks, 32)) - 1).bit_length()
+    num_heads = plan.num_q_heads + plan.num_k_heads + extra_heads
+    most = THREADS_PER_BLOCK // lanes
+    heads_per_thread = -(-num_heads // most)
+    warp_rows = max(1, 32 // lanes)  # head lanes that make whole warps
+    rows = -(-(-(-num_heads // heads_per_thread)) // warp_rows) * warp_rows
+    return (lanes, min(rows, most), 1), (min(plan.num_tokens, MAX_GRID_X), 1)
+
+
+# (kernel handle, bytes) whose opt-in to more dynamic shared memory is made (the attribute
+# stays with the loaded function).
+_shared_opt_ins: set[tuple[int, int]] = set()
+
+
+def allow_shared_bytes(kernel, device: int, nbytes: int, op_name: str) -> None:
+    """Let ``kernel`` launch with ``nbytes`` of dynamic shared memory, past the 48 KiB every
+    launch may use (the norm over all heads keeps the weights of every head there), or raise
+    ValueError before any launch where the device allows less."""
+    if (kernel.ptr, nbytes) in _shared_opt_ins:
+        return
+    cupy = cupy_module()
+    most = cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"]
+    if nbytes > most:
+        raise ValueError(f"{op_name}: the launch needs {nbytes} bytes of shared memory (with "
+                         "norm_over='all_heads', the norm weights of every q and k head as "
+                         f"float32), more than this GPU's {most}: normalise with fewer heads a "
+                         "call (the norm over all heads reads every head of a token at once)")
+    cupy.cuda.driver.funcSetAttribute(
+        kernel.ptr, cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+    _shared_opt_ins.add((kernel.ptr, nbytes))
 
 
 def fit_row_buffers(plan: RopePlan, fusion, block, grid):
@@ -690,12 +754,20 @@ def fit_row_buffers(plan: RopePlan, fusion, block, grid):
     geometry's would not (the kernel strides over tokens and heads, so any grid covers them)."""
     rows = (MAX_SHARED_ANGLE_BYTES - fused_shared_bytes(plan, fusion, False, (0, 0, 0))) // (
         4 * plan.head_dim)
+    lanes, heads, tokens = block
+    warp_rows = max(1, 32 // lanes)
+    if fusion.all_heads and rows < warp_rows:
+        raise ValueError(f"{fusion.op_name}: with norm_over='all_heads' the norm weights of "
+                         "every head leave too little shared memory for stores quantised per "
+                         f"row (head_dim {plan.head_dim}): quantise per tensor, or call "
+                         "rms_norm_rope and the cache write apart")
     if rows < 1:
         raise ValueError(f"{fusion.op_name}: head_dim {plan.head_dim} is too large for stores "
                          "quantised per row (a row of it must fit in 48 KiB of shared memory)")
-    lanes, heads, tokens = block
     if heads * tokens <= rows:
         return block, grid
+    if fusion.all_heads:  # every head of the token in one block: fewer rows, whole warps
+        return (lanes, rows // warp_rows * warp_rows, 1), grid
     head_lanes = heads * grid[1]
     heads = min(heads, rows)
     tokens = max(1, rows // heads)
@@ -726,11 +798,12 @@ def fusion_struct(plan: RopePlan, fusion, copy_pass: bool) -> np.ndarray:
     """The FusionParams of a fused launch."""
     f = np.zeros((), dtype=FUSION_PARAMS_DTYPE)
     f["norm"] = fusion.norm
+    f["all_heads"] = fusion.all_heads
     f["write_pass_through"] = copy_pass and (not plan.inplace or fusion.norm) and fusion.rotate
-    if fusion.norm:
-        f["q_weight"], f["q_weight_stride"] = fusion.q_weight.ptr, fusion.q_weight.strides[0]
+    if fusion.norm:  # (all heads: [num_heads, head_dim] weights are one run of equal steps)
+        f["q_weight"], f["q_weight_stride"] = fusion.q_weight.ptr, fusion.q_weight.strides[-1]
         if fusion.k_weight is not None:
-            f["k_weight"], f["k_weight_stride"] = fusion.k_weight.ptr, fusion.k_weight.strides[0]
+            f["k_weight"], f["k_weight_stride"] = fusion.k_weight.ptr, fusion.k_weight.strides[-1]
         f["weight_dtype"] = WeightDtype[fusion.q_weight.dtype.upper()]
         f["eps"], f["weight_offset"] = fusion.eps, fusion.weight_offset
     f["out_format"] = STORE_FORMATS.get(fusion.out_dtype, StoreFormat.INPUT)

@@ -65,8 +65,10 @@ def fused(plan: RopePlan, q, k, positions, cache, cos, sin, *, q_weight=None, k_
         if x is None:
             continue
         x = x.astype(jnp.float32)
-        if f.norm:
-            mean = jnp.mean(x * x, axis=-1, keepdims=True)
+        if f.norm:  # over each head, or over all heads of the token together
+            axes = (-2, -1) if f.all_heads else -1
+            weight = weight.reshape(x.shape[-2:]) if f.all_heads else weight
+            mean = jnp.mean(x * x, axis=axes, keepdims=True)
             rms = jnp.float32(1) / jnp.sqrt(mean + jnp.float32(f.eps))
             x = x * (rms * (jnp.float32(f.weight_offset) + weight.astype(jnp.float32)))
         y = _rotated(plan, x, cos_t, sin_t) if f.rotate else x

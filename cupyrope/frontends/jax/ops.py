@@ -314,24 +314,28 @@ def _fused_bwd(fused: FusedCall, arrays: tuple, cotangents):
     for x_name, w_name, grad in zip(("q", "k"), ("q_weight", "k_weight"), rotated):
         if x_name in named:
             result[x_name], result[w_name] = _rms_norm_vjp(
-                named[x_name], named[w_name], grad, options["eps"], options["weight_offset"])
+                named[x_name], named[w_name], grad, options["eps"], options["weight_offset"],
+                options.get("norm_over") == "all_heads")
     return (tuple(result[name] for name in fused.names),)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _rms_norm_vjp(x, weight, grad, eps: float, weight_offset: float):
+def _rms_norm_vjp(x, weight, grad, eps: float, weight_offset: float, all_heads: bool = False):
     """(grad of x, grad of weight) of ``y = x * rsqrt(mean(x**2) + eps) * (weight_offset +
-    weight)`` per head (last dim), given the grad of y; in float32, returned in the dtypes of x
-    and weight."""
+    weight)`` per head (last dim; ``all_heads``: the last two dims), given the grad of y; in
+    float32, returned in the dtypes (and the weight's shape) of x and weight."""
+    axes = (-2, -1) if all_heads else (-1,)
     x32 = x.astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    w32 = weight.astype(jnp.float32)
+    w32 = w32.reshape(x.shape[-2:]) if all_heads else w32
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + eps)
     n = x32 * r
-    grad_weight = jnp.sum(grad * n, axis=tuple(range(grad.ndim - 1)))
-    grad_n = grad * (weight_offset + weight.astype(jnp.float32))
-    grad_x = r * (grad_n - n * jnp.mean(grad_n * n, axis=-1, keepdims=True))
-    return grad_x.astype(x.dtype), grad_weight.astype(weight.dtype)
+    grad_weight = jnp.sum(grad * n, axis=tuple(range(grad.ndim - w32.ndim)))
+    grad_n = grad * (weight_offset + w32)
+    grad_x = r * (grad_n - n * jnp.mean(grad_n * n, axis=axes, keepdims=True))
+    return grad_x.astype(x.dtype), grad_weight.reshape(weight.shape).astype(weight.dtype)
 
 
 def _fused_call(fused: FusedCall, arrays: tuple) -> tuple:

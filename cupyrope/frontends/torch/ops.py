@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from ... import execute
-from ...core.fused_plan import LAYOUTS, PER_HEAD, cache_format_name, fp8_name, is_per_row
+from ...core.fused_plan import (LAYOUTS, NORM_OVER, PER_HEAD, cache_format_name, fp8_name,
+                                is_per_row)
 from ...core.plan import plan_rope
 from ...core.scaling import scaling_from_op_args, scaling_op_args
 from ...core.validators import check_bool, check_int, check_real
@@ -34,7 +35,7 @@ ROTATION_SCHEMA = (
 _TABLE_ARGS = ("positions", "cos_sin_cache", "cos", "sin")
 _OPTION_ARGS = ("theta", "scaling", "scaling_numbers", "interleaved", "rotary_dim", "inverse",
                 "seq_len")
-NORM_SCHEMA = "Tensor? q_weight, Tensor? k_weight, float? eps, float weight_offset"
+NORM_SCHEMA = "Tensor? q_weight, Tensor? k_weight, float? eps, float weight_offset, str norm_over"
 FP8_SCHEMA = ("str? out_dtype, Tensor? q_scale_tensor, float? q_scale, Tensor? k_scale_tensor, "
               "float? k_scale")
 CACHE_SCHEMA = ("Tensor v, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping, "
@@ -343,9 +344,14 @@ def fused_op_args(op_name, q, k, positions, rope: dict, fusion: dict, validate) 
     arrays = ["q_weight", "k_weight"] if "q_weight" in fusion else []
     if "q_weight" in fusion:
         eps = fusion["eps"]
+        norm_over = fusion.get("norm_over", "head")
+        if not isinstance(norm_over, str) or norm_over not in NORM_OVER:
+            raise ValueError(f"{op_name}: norm_over must be one of {NORM_OVER}, got "
+                             f"{norm_over!r}")
         named.update(q_weight=fusion["q_weight"], k_weight=fusion["k_weight"],
                      eps=None if eps is None else _number(eps, "eps", op_name),
-                     weight_offset=_number(fusion["weight_offset"], "weight_offset", op_name))
+                     weight_offset=_number(fusion["weight_offset"], "weight_offset", op_name),
+                     norm_over=norm_over)
     named["out_dtype"] = fp8_name(fusion["out_dtype"], "out_dtype", op_name)
     for name in _SCALES[:2]:
         named.update(_scale_args(fusion[name], name, op_name))
@@ -586,7 +592,7 @@ def _fusion_of(op_name: str, named: dict) -> dict:
     fusion.update({name: _scale_from_args(named, name) for name in scales})
     if "q_weight" in named:
         fusion.update({name: named[name] for name in ("q_weight", "k_weight", "eps",
-                                                      "weight_offset")})
+                                                      "weight_offset", "norm_over")})
         fusion["norm"] = (op_name == "rms_norm_rope" or named["q_weight"] is not None
                           or named["k_weight"] is not None)
     if "k_cache" in named:
@@ -655,6 +661,7 @@ def _norm_setup_context(ctx, inputs, output):
     ctx.save_for_backward(named["q"], named["k"], named["q_weight"], named["k_weight"],
                           *(named[name] for name in _TABLE_ARGS))
     ctx.eps, ctx.weight_offset = named["eps"], named["weight_offset"]
+    ctx.all_heads = named["norm_over"] == "all_heads"
     ctx.options = (*(named[name] for name in _OPTION_ARGS), False)
 
 
@@ -671,7 +678,8 @@ def _norm_backward(ctx, grad_q_out, grad_k_out):
     for x, weight, grad, name in ((q, q_weight, grad_q, "q"), (k, k_weight, grad_k, "k")):
         if grad is None:
             continue
-        grad_x, grad_weight = rms_norm_backward(x, weight, grad, ctx.eps, ctx.weight_offset)
+        grad_x, grad_weight = rms_norm_backward(x, weight, grad, ctx.eps, ctx.weight_offset,
+                                                all_heads=ctx.all_heads)
         if need[name]:
             grads[name] = grad_x.to(x.dtype)
         if need[f"{name}_weight"]:
@@ -680,21 +688,24 @@ def _norm_backward(ctx, grad_q_out, grad_k_out):
 
 
 def rms_norm_backward(x: Tensor, weight: Tensor, grad: Tensor, eps: float,
-                      weight_offset: float) -> tuple[Tensor, Tensor]:
+                      weight_offset: float, *, all_heads: bool = False) -> tuple[Tensor, Tensor]:
     """(grad of x, grad of weight) in float32 of ``n * (weight_offset + weight)``, ``n = x *
-    rsqrt(mean(x**2) + eps)`` per head (last dim), for the float32 upstream gradient ``grad`` of
-    that product. Torch arithmetic, so it is differentiable again.
+    rsqrt(mean(x**2) + eps)`` per head (last dim; ``all_heads``: the last two dims), for the
+    float32 upstream gradient ``grad`` of that product. Torch arithmetic, so it is
+    differentiable again.
 
     With ``r = rsqrt(mean(x**2) + eps)`` and ``g_n = grad * (weight_offset + weight)``:
-    ``grad_weight = sum(grad * n)`` over every token and head, ``grad_x = r * (g_n - n *
-    mean(g_n * n))``."""
+    ``grad_weight = sum(grad * n)`` over every token (and head, per head), ``grad_x = r * (g_n -
+    n * mean(g_n * n))``. The weight's gradient has the weight's shape."""
+    dims = (-2, -1) if all_heads else (-1,)
     x = x.float()
-    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    w = weight.float().reshape(x.shape[-2:]) if all_heads else weight.float()
+    rstd = torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
     normed = x * rstd
-    grad_weight = (grad * normed).sum(dim=tuple(range(grad.dim() - 1)))
-    grad_normed = grad * (weight_offset + weight.float())
-    grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
-    return grad_x, grad_weight
+    grad_weight = (grad * normed).sum(dim=tuple(range(grad.dim() - len(w.shape))))
+    grad_normed = grad * (weight_offset + w)
+    grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(dims, keepdim=True))
+    return grad_x, grad_weight.reshape(weight.shape)
 
 
 # ----------------------------------------------------------------------------------------------
