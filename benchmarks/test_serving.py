@@ -12,7 +12,8 @@ contexts, T = 256) per call in a CUDA graph of 20 calls. Layouts (``SERVING_LAYO
 - ``d256`` (q 16 / k 4 heads, rms_norm_rope) and ``d512`` (8 / 2 heads, rope_and_cache);
 - ``rot-quarter``: rotary_dim = D / 4 (Qwen3-Next: D 256, 16 / 2 heads), rms_norm_rope;
 - ``rot-half``: rotary_dim = D / 2 (GLM: D 128, 32 / 2 heads), rope_and_cache;
-- ``spec-decode``: the reference heads, rope_and_cache.
+- ``spec-decode``: the reference heads, rope_and_cache;
+- ``olmo2``: OLMo 2 7B's heads (q and k 32 of 128), rms_norm_rope with the norm over all heads.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ ROUNDS = 5
 ROWS = (("mrope", "rms_norm_rope"), ("mrope", "rope_and_cache"),
         ("mrope-interleaved", "rope_and_cache"), ("d256", "rms_norm_rope"),
         ("d512", "rope_and_cache"), ("rot-quarter", "rms_norm_rope"),
-        ("rot-half", "rope_and_cache"), ("spec-decode", "rope_and_cache"))
+        ("rot-half", "rope_and_cache"), ("spec-decode", "rope_and_cache"),
+        ("olmo2", "rms_norm_rope"))
 IMPLS = ("copy", "cupyrope-fused", "unfused-compile")
 
 

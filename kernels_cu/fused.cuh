@@ -190,22 +190,75 @@ constexpr int kRingDepth = 4;
 constexpr int kRingSlotBytes = 32;  // one chunk of 16-byte accesses: two (NeoX) or one (interleaved)
 
 // Floats of the norm weights in the block's shared memory (after the ring, when the launch has
-// one): weight_offset + w of q, then of k, head_dim each; with f.all_heads a whole projection
-// each (num_heads * head_dim), then the scratch of token_sums. launch.fused_shared_bytes mirrors
-// this.
+// one): weight_offset + w of q, then of k, head_dim each; with the norm over all heads
+// (ALL_HEADS) a whole projection each (num_heads * head_dim), then the scratch of block_sums.
+// launch.fused_shared_bytes mirrors this.
 constexpr int kAllHeadsScratch = 2 * 32;  // a q and a k partial sum per warp
 
+template <bool ALL_HEADS>
 __device__ __forceinline__ long long norm_shared_floats(const RopeParams& p,
                                                         const FusionParams& f) {
   if (!f.norm) return 0;
-  if (!f.all_heads) return 2 * p.head_dim;
+  if constexpr (!ALL_HEADS) return 2 * p.head_dim;
   return (p.num_q_heads + p.num_k_heads) * p.head_dim + kAllHeadsScratch;
+}
+
+// weights[i] = offset + w[i * stride] for i < count, by the block's threads: 16-byte loads where
+// the weights are one aligned run, else kFillBatch loads in flight a thread before their
+// conversions and stores. The norm over all heads fills the weights of every head (5120 for 32 +
+// 8 heads of 128), and loads of one element after another (a conversion waiting on each) made a
+// decode step's latency: H100, T = 1, 12.5 -> 8.2 us (batches of 4) -> see docs/perf_log.md.
+// (Batches of 16-byte loads spilled the 80-register interleaved specialisations.)
+template <typename W>
+__device__ __forceinline__ void fill_weights(float* weights, const W* w, long long stride,
+                                             long long count, float offset, long long rank,
+                                             long long threads) {
+  constexpr int V = 16 / sizeof(W);  // weights a 16-byte load
+  if (stride == 1 && count % V == 0 && (reinterpret_cast<unsigned long long>(w) & 15u) == 0) {
+    for (long long i = rank; i < count / V; i += threads) {
+      const uint4 raw = reinterpret_cast<const uint4*>(w)[i];
+      const W* values = reinterpret_cast<const W*>(&raw);
+#pragma unroll
+      for (int m = 0; m < V; ++m) weights[i * V + m] = offset + to_float(values[m]);
+    }
+    return;
+  }
+  constexpr int kFillBatch = 4;
+  for (long long first = rank; first < count; first += kFillBatch * threads) {
+    W raw[kFillBatch];
+#pragma unroll
+    for (int j = 0; j < kFillBatch; ++j) {
+      const long long i = first + j * threads;
+      if (i < count) raw[j] = w[i * stride];
+    }
+#pragma unroll
+    for (int j = 0; j < kFillBatch; ++j) {
+      const long long i = first + j * threads;
+      if (i < count) weights[i] = offset + to_float(raw[j]);
+    }
+  }
+}
+
+__device__ __forceinline__ void fill_weights_of(float* weights, const void* w, long long stride,
+                                                long long count, long long dtype, float offset,
+                                                long long rank, long long threads) {
+  if (w == nullptr) {
+    for (long long i = rank; i < count; i += threads) weights[i] = 0.0f;
+  } else if (dtype == kWeightBFloat16) {
+    fill_weights(weights, static_cast<const bfloat16_t*>(w), stride, count, offset, rank, threads);
+  } else if (dtype == kWeightFloat16) {
+    fill_weights(weights, static_cast<const half_t*>(w), stride, count, offset, rank, threads);
+  } else {
+    fill_weights(weights, static_cast<const float*>(w), stride, count, offset, rank, threads);
+  }
 }
 
 // weight_offset + weight of q and of k, as float32, into the block's shared memory: read once a
 // block instead of once per head and element (and no dtype switch in the inner loops).
-// They follow the ring when the launch has one (f.ring). q's `q_count` weights (head_dim, or a
-// whole projection with f.all_heads), then k's `k_count`.
+// They follow the ring when the launch has one (f.ring). Per head: head_dim each, one element a
+// thread; ALL_HEADS: q's whole projection (q_count), then k's (k_count), in batches
+// (fill_weights).
+template <bool ALL_HEADS>
 __device__ __forceinline__ float* fill_norm_weights(const FusionParams& f, long long q_count,
                                                     long long k_count) {
   extern __shared__ __align__(16) unsigned char fused_shared[];
@@ -214,13 +267,21 @@ __device__ __forceinline__ float* fill_norm_weights(const FusionParams& f, long 
   float* const weights = reinterpret_cast<float*>(
       fused_shared + (f.ring ? threads * kRingDepth * kRingSlotBytes : 0));
   const float offset = static_cast<float>(f.weight_offset);
-  for (long long i = rank; i < q_count + k_count; i += threads) {
-    const bool k = i >= q_count;
-    const long long d = k ? i - q_count : i;
-    const void* w = k ? f.k_weight : f.q_weight;
-    weights[i] = w == nullptr ? 0.0f
-                              : offset + load_weight(w, d * (k ? f.k_weight_stride : f.q_weight_stride),
-                                                     f.weight_dtype);
+  if constexpr (ALL_HEADS) {
+    fill_weights_of(weights, f.q_weight, f.q_weight_stride, q_count, f.weight_dtype, offset,
+                    rank, threads);
+    fill_weights_of(weights + q_count, f.k_weight, f.k_weight_stride, k_count, f.weight_dtype,
+                    offset, rank, threads);
+  } else {
+    for (long long i = rank; i < q_count + k_count; i += threads) {
+      const bool k = i >= q_count;
+      const long long d = k ? i - q_count : i;
+      const void* w = k ? f.k_weight : f.q_weight;
+      weights[i] = w == nullptr ? 0.0f
+                                : offset + load_weight(w, d * (k ? f.k_weight_stride
+                                                                 : f.q_weight_stride),
+                                                       f.weight_dtype);
+    }
   }
   __syncthreads();
   return weights;
@@ -475,12 +536,14 @@ __device__ __forceinline__ RowStores head_row_stores(const RopeParams& p, const 
 // This thread's head lane group's row buffer: head_dim floats, after the ring and the norm
 // weights (norm_shared_floats) in the block's shared memory (the host sized it:
 // launch.fused_shared_bytes).
+template <bool ALL_HEADS>
 __device__ __forceinline__ float* row_buffer(const RopeParams& p, const FusionParams& f,
                                             long long head_dim) {
   extern __shared__ __align__(16) unsigned char fused_shared[];
   const long long threads = static_cast<long long>(ntid_x()) * ntid_y() * ntid_z();
   const long long ring_bytes = f.ring ? threads * kRingDepth * kRingSlotBytes : 0;
-  const long long weight_bytes = norm_shared_floats(p, f) * static_cast<long long>(sizeof(float));
+  const long long weight_bytes =
+      norm_shared_floats<ALL_HEADS>(p, f) * static_cast<long long>(sizeof(float));
   const long long group = tid_y() + static_cast<long long>(ntid_y()) * tid_z();
   return reinterpret_cast<float*>(fused_shared + ring_bytes + weight_bytes) + group * head_dim;
 }
@@ -651,7 +714,7 @@ __device__ __forceinline__ Index first_v_head_of(Index first_head, Index head_st
 }
 
 // ------------------------------------------------------------------------------------------------
-// RMSNorm over all heads of a token (f.all_heads: OLMo 2 normalises the whole q and k
+// RMSNorm over all heads of a token (ALL_HEADS: OLMo 2 normalises the whole q and k
 // projections): the block holds one token and every head of it, so the sums of squares of q's
 // heads and of k's are block reductions, before any head is rotated. The heads are then read
 // again for the rotation (from L1: the block has just read them).
@@ -686,6 +749,26 @@ __device__ __forceinline__ float2 token_shares(const RopeParams& p, const TokenO
     }
   }
   return make_float2(q_sum, k_sum);
+}
+
+// Ask L2 for the chunks this thread will read of another token (the next one its block takes)
+// while it rotates this one: the block's next sums then wait on L2, not on DRAM.
+template <typename T, int P, bool INTERLEAVED, int A, typename Index>
+__device__ __forceinline__ void prefetch_token(const RopeParams& p, const TokenOffsets<Index>& o,
+                                               Index first_head, Index head_step,
+                                               Index num_rotated, Index num_chunks, Index half,
+                                               Index rotary_dim, Index pass_chunks) {
+  for (Index head = first_head; head < num_rotated; head += head_step) {
+    const T* in = head_rows<T, Index>(p, o, head).in;
+    for (Index lane = tid_x(); lane < num_chunks; lane += ntid_x()) {
+      const Index pair0 = lane * P;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(in + (INTERLEAVED ? 2 * pair0 : pair0)));
+      if constexpr (!INTERLEAVED) asm volatile("prefetch.global.L2 [%0];" ::"l"(in + half + pair0));
+    }
+    for (Index c = tid_x(); c < pass_chunks; c += ntid_x()) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(in + rotary_dim + c * A));
+    }
+  }
 }
 
 // The block's sums of the threads' (q, k) shares: each warp's by shuffles, then every thread adds
@@ -729,8 +812,12 @@ __device__ __forceinline__ float2 block_sums(float2 share, float* scratch) {
 // ROWS (rope_fused_rows_kernel): the launch may quantise stores per row (f.row_scaled: per-(token,
 // head) fp8 scales, NVFP4 caches), gathering those rows in shared memory; compiled apart so that
 // the other fused launches keep their registers.
+//
+// ALL_HEADS (rope_fused_all_heads_kernel): with the norm, over all heads of a token together
+// (q's, and k's apart): one token a block and every head in it (the host's geometry), the
+// token's sums reduced over the block before any head is rotated; compiled apart too.
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
-          bool ROWS = false>
+          bool ROWS = false, bool ALL_HEADS = false>
 __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const FusionParams& f) {
   using Index = typename IndexOf<WIDE_INDEX>::type;
   using L = Layout<T, VECTOR, INTERLEAVED>;
@@ -771,12 +858,13 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
   const Index first_token = static_cast<Index>(blockIdx.x) * ntid_z() + tid_z();
   const long long first_position =
       first_token_position<SOURCE>(p, first_token, num_tokens);
-  // RMSNorm over all heads of a token: q's whole projection, then k's (f.all_heads).
-  const bool all_heads = f.norm && f.all_heads;
+  // RMSNorm over all heads of a token: q's whole projection, then k's.
+  const bool all_heads = ALL_HEADS && f.norm;
   const Index q_count = all_heads ? num_q_heads * head_dim : head_dim;
   const Index k_count = all_heads ? static_cast<Index>(p.num_k_heads) * head_dim : head_dim;
-  float* const norm_weights = f.norm ? fill_norm_weights(f, q_count, k_count) : nullptr;
-  float* const row = ROWS && f.row_scaled ? row_buffer(p, f, head_dim) : nullptr;
+  float* const norm_weights =
+      f.norm ? fill_norm_weights<ALL_HEADS>(f, q_count, k_count) : nullptr;
+  float* const row = ROWS && f.row_scaled ? row_buffer<ALL_HEADS>(p, f, head_dim) : nullptr;
   float q_rms = 1.0f, k_rms = 1.0f;  // all heads: the token's q and k norms
 
   for (Index token = first_token; token < num_tokens; token += token_step) {
@@ -786,15 +874,6 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
     long long position = first_position;
     if constexpr (SOURCE != kTokenTables) {
       if (token != first_token) position = load_position(p, s.o.positions);
-    }
-
-    if (all_heads) {
-      const float2 sums = block_sums(
-          token_shares<T, P, VECTOR, INTERLEAVED, A>(p, s.o, first_head, head_step, num_rotated,
-                                                     num_chunks, half, rotary_dim, pass_chunks),
-          norm_weights + q_count + k_count);
-      q_rms = 1.0f / sqrtf(fmaf(sums.x, 1.0f / static_cast<float>(q_count), eps));
-      k_rms = 1.0f / sqrtf(fmaf(sums.y, 1.0f / static_cast<float>(k_count), eps));
     }
 
     // The norm of a head from its sum of squares over the lanes (every lane of the head calls
@@ -867,6 +946,20 @@ __device__ __forceinline__ void rope_fused_tokens(const RopeParams& p, const Fus
         chunk_angles<SOURCE, false>(p, s.o, position, lane0 * P, cos_table, sin_table,
                                     cos_col_stride, sin_col_stride, table_vector_ok, sin_sign,
                                     cos_v, sin_v);
+      }
+      if (all_heads) {  // the token's sums over the block, the angles' loads in flight meanwhile
+        const float2 sums = block_sums(
+            token_shares<T, P, VECTOR, INTERLEAVED, A>(p, s.o, first_head, head_step,
+                                                       num_rotated, num_chunks, half, rotary_dim,
+                                                       pass_chunks),
+            norm_weights + q_count + k_count);
+        q_rms = 1.0f / sqrtf(fmaf(sums.x, 1.0f / static_cast<float>(q_count), eps));
+        k_rms = 1.0f / sqrtf(fmaf(sums.y, 1.0f / static_cast<float>(k_count), eps));
+        if (token + token_step < num_tokens) {
+          prefetch_token<T, P, INTERLEAVED, A>(p, token_offsets(p, token + token_step),
+                                               first_head, head_step, num_rotated, num_chunks,
+                                               half, rotary_dim, pass_chunks);
+        }
       }
       for (Index head = first_head; head < num_rotated; head += head_step) {
         const HeadRows<T> rows = head_rows<T, Index>(p, s.o, head);

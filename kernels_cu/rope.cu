@@ -14,7 +14,8 @@
 // rope_lean_kernel for the common case (one token dim after merging, no M-RoPE,
 // 16-byte accesses, 32-bit offsets, vector cos/sin rows: fewer registers and about half the
 // instructions), rope_kernel for every layout, rope_fused_kernel for the fused ops (fused.cuh)
-// (rope_fused_rows_kernel where stores are quantised per row), rope_fused_lean_kernel for
+// (rope_fused_rows_kernel where stores are quantised per row, rope_fused_all_heads_kernel with
+// the norm over all heads), rope_fused_lean_kernel for
 // their common layout (fused_lean.cuh) and rope_fused_decode_kernel for that layout at few tokens
 // (fused_decode.cuh).
 #include "angles.cuh"
@@ -243,6 +244,17 @@ template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE
 __global__ __launch_bounds__(kMaxThreadsPerBlock, WIDE_INDEX ? 1 : 2)
 void rope_fused_rows_kernel(const RopeParams p, const FusionParams f) {
   rope_fused_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, true>(p, f);
+}
+
+// The fused ops with the norm over all heads of a token (fused.cuh: ALL_HEADS), stores quantised
+// per row or not (the row code is compiled in, as in the kernel above): 2 resident blocks (128
+// registers), 1 with 64-bit offsets. A kernel of its own, so that the block reduction leaves the
+// per-head kernels' registers as they were (it spilled 24-48 bytes in six of their 80-register
+// specialisations on sm_80).
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
+__global__ __launch_bounds__(kMaxThreadsPerBlock, WIDE_INDEX ? 1 : 2)
+void rope_fused_all_heads_kernel(const RopeParams p, const FusionParams f) {
+  rope_fused_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, true, true>(p, f);
 }
 
 // The fused ops in the lean layout, one kernel per set of fusions (NORM, CACHE): 4 resident blocks

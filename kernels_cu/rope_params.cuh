@@ -84,7 +84,8 @@ enum WeightDtype : int { kWeightFloat32 = 0, kWeightFloat16 = 1, kWeightBFloat16
 // 8 bytes wide (FUSION_PARAMS_DTYPE in abi.py).
 struct FusionParams {
   // RMSNorm of each head before the rotation: x * rsqrt(mean(x^2) + eps) * (weight_offset + w).
-  const void* q_weight;          // [head_dim], weight_dtype; null without norm
+  const void* q_weight;          // [head_dim] ([num_heads * head_dim]: the norm over all heads),
+                                 // weight_dtype; null without norm
   const void* k_weight;
   // fp8 scales as device scalars (float32), or null: then the *_scale_value fields hold them.
   const float* q_scale;
@@ -135,11 +136,6 @@ struct FusionParams {
   // 1: some store is quantised per row; the host then sized a row buffer per head lane group in
   // shared memory (after the ring and the norm weights) and made blockDim.x a power of two.
   long long row_scaled;
-  // 1 (with norm): RMSNorm over all heads of a token together, q's heads and k's apart (OLMo 2,
-  // FlashInfer's fused_qk_rmsnorm_rope); q_weight / k_weight then hold num_heads * head_dim
-  // elements. The host launches one token a block (blockDim.z = 1) and every head in it
-  // (gridDim.y = 1), whole warps, no ring (fused.cuh: token_sums).
-  long long all_heads;
 };
 
 // The one by-value argument of rope_decode_kernel (decode.cuh): what a decode launch reads, in

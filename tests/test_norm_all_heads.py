@@ -13,7 +13,7 @@ import pytest
 import cupyrope as cr
 from backends import angle_source, backend_params, host_values
 from reference import reference_rope
-from test_fused import _assert_close
+from test_fused import _assert_close, _put_fp8
 from tolerances import np_dtype
 
 BACKENDS = backend_params(["numpy", "torch", "jax", "cupy", "torch-cuda", "jax-gpu"])
@@ -27,6 +27,12 @@ def _norm_all_heads64(x, weight, eps, weight_offset=0.0):
     rms = np.sqrt(np.mean(x * x, axis=(-2, -1), keepdims=True) + eps)
     w = np.asarray(weight, dtype=np.float64).reshape(x.shape[-2:])
     return x / rms * (weight_offset + w)
+
+
+def _fp8_values(backend, x) -> np.ndarray:
+    """An e4m3 array's values on the host (CuPy's are uint8 bits)."""
+    values = host_values(backend, x)
+    return values.view(ml_dtypes.float8_e4m3fn) if values.dtype == np.uint8 else values
 
 
 def _inputs(rng, T, Hq, Hk, D, dtype, *, weight_shape="flat", weight_dtype=None):
@@ -124,16 +130,19 @@ def test_rope_and_cache_with_the_norm_over_all_heads(backend, rng, layout, cache
     slots[::5] = -1
     shape = ((num_blocks, block_size, Hk, D) if layout == "NHD"
              else (num_blocks, Hk, block_size, D))
-    cache_dtype = ml_dtypes.bfloat16 if cache_format == "bfloat16" else ml_dtypes.float8_e4m3fn
-    k_cache = backend.put(np.zeros(shape, cache_dtype))
-    v_cache = backend.put(np.zeros(shape, cache_dtype))
-    scales = {}
+    if cache_format == "bfloat16":
+        k_cache, v_cache = (backend.put(np.zeros(shape, ml_dtypes.bfloat16)) for _ in range(2))
+        scales = {}
+    else:
+        k_cache, v_cache = (_put_fp8(backend, np.zeros(shape, ml_dtypes.float8_e4m3fn))
+                            for _ in range(2))
+        scales = {"cache_dtype": "float8_e4m3fn"}
     if cache_format == "float8_e4m3fn":
-        scales = {"k_scale": 0.05, "v_scale": 0.02}
+        scales.update(k_scale=0.05, v_scale=0.02)
     elif cache_format == "per_row":
         rows_shape = shape[:3]
-        scales = {"k_scale": backend.put(np.zeros(rows_shape, np.float32)),
-                  "v_scale": backend.put(np.zeros(rows_shape, np.float32))}
+        scales.update(k_scale=backend.put(np.zeros(rows_shape, np.float32)),
+                      v_scale=backend.put(np.zeros(rows_shape, np.float32)))
     q_out, k_out, _, _ = cr.rope_and_cache(
         backend.put(q), backend.put(k), backend.put(v), backend.put(positions), k_cache, v_cache,
         backend.put(slots), cos_sin_cache=backend.put(cache), layout=layout,
@@ -144,7 +153,7 @@ def test_rope_and_cache_with_the_norm_over_all_heads(backend, rng, layout, cache
         expected[name] = reference_rope(_norm_all_heads64(x, w, 1e-6), positions,
                                         cos_sin_cache=cache)
         _assert_close(host_values(backend, out), expected[name], "bfloat16", f"{backend} {name}")
-    got = host_values(backend, k_cache).astype(np.float64)
+    got = _fp8_values(backend, k_cache).astype(np.float64)
     if layout == "HND":
         got = got.transpose(0, 2, 1, 3)
     got = got.reshape(-1, Hk, D)
@@ -187,7 +196,7 @@ def test_norm_over_all_heads_with_fp8_outputs_and_mrope(backend, rng):
         cos_sin_cache=backend.put(cache.astype(np.float32)), scaling=scaling,
         out_dtype="float8_e4m3fn", q_scale=0.25, k_scale=0.5)
     for out, want, scale in ((q8, expected[0], 0.25), (k8, expected[1], 0.5)):
-        got = host_values(backend, out).astype(np.float64) * scale
+        got = _fp8_values(backend, out).astype(np.float64) * scale
         assert np.all(np.abs(got - want) <= np.abs(want) * 2.0 ** -4 + scale * 2.0 ** -9)
 
 
@@ -262,9 +271,9 @@ def test_norm_over_all_heads_gradients_in_jax(rng):
 
 @pytest.mark.parametrize("T", [1, 300, 70000])
 def test_norm_over_all_heads_takes_one_token_a_block_with_every_head(T):
-    """The launch: the general fused kernel (not the lean, decode or ring variants), a token a
-    block and every q, k and v head in it (gridDim.y = 1), whole warps, the weights of every head
-    in shared memory; more than 48 KiB of them for 64 + 64 heads of 128."""
+    """The launch: the all-heads variant of the general fused kernel (no ring), a token a block
+    and every q, k and v head in it (gridDim.y = 1), whole warps, the weights of every head in
+    shared memory; more than 48 KiB of them for 64 + 64 heads of 128."""
     from cupyrope.core.arrays import describe
     from cupyrope.core.fused_plan import plan_fused
     from cupyrope.cuda import launch
@@ -286,13 +295,16 @@ def test_norm_over_all_heads_takes_one_token_a_block_with_every_head(T):
         spec = launch.plan_launch(plan, outputs, num_regs=lambda spec: 128, multiprocessors=132,
                                   angle_arithmetic="float64")
         kernel, (x, y, z), (grid_x, grid_y) = spec.kernel, spec.block, spec.grid
-        assert kernel.fused and not (kernel.lean or kernel.decode or kernel.rows), kernel
-        assert "rope_fused_kernel<" in kernel.name_expression
-        assert z == 1 and grid_y == 1 and grid_x == T and (x * y) % 32 == 0 and x * y <= 256
+        assert kernel.fused and kernel.all_heads and not (kernel.lean or kernel.decode), kernel
+        assert "rope_fused_all_heads_kernel<" in kernel.name_expression
+        # one wave of blocks at most (128 registers: 2 blocks of 256 threads an SM, 132 SMs)
+        wave = launch._resident_blocks(x * y, 128) * 132
+        assert z == 1 and grid_y == 1 and grid_x == min(T, wave) and (x * y) % 32 == 0
+        assert x * y <= 256
         assert x == 16  # float32 NeoX: 64 pairs of 4
         heads = hq + 2 * hk if cache else hq + hk
         assert -(-heads // y) == -(-heads // min(heads, 256 // x))  # heads spread evenly
-        assert int(spec.fusion_params["all_heads"]) == 1 and int(spec.fusion_params["ring"]) == 0
+        assert int(spec.fusion_params["ring"]) == 0
         assert spec.shared_bytes == 4 * ((hq + hk) * D + 64)
         assert int(spec.fusion_params["q_weight_stride"]) == 1
 

@@ -58,9 +58,10 @@ MAX_POSITION = 131072
 class HeadLayout:
     """The heads of a fused-op benchmark: q ``[T, Hq, D]``, k and v ``[T, Hk, D]``, the first
     ``rotary_dim`` dims rotated (None: all), M-RoPE (``mrope_section``: positions ``[3, T]``,
-    sectioned or interleaved), and speculative-decoding batches (``draft_tokens`` > 0: T /
+    sectioned or interleaved), speculative-decoding batches (``draft_tokens`` > 0: T /
     draft_tokens sequences of that many consecutive positions and slots, each sequence at a random
-    context length)."""
+    context length), and the norm over all heads (``norm_over="all_heads"``, OLMo 2: weights of
+    H * D elements)."""
 
     num_q_heads: int = HQ
     num_k_heads: int = HK
@@ -69,6 +70,7 @@ class HeadLayout:
     mrope_section: tuple[int, int, int] | None = None
     mrope_interleaved: bool = False
     draft_tokens: int = 0
+    norm_over: str = "head"
 
     @property
     def rot(self) -> int:
@@ -100,6 +102,8 @@ class HeadLayout:
             text += f" {kind} {list(self.mrope_section)}"
         if self.draft_tokens:
             text += f", spec decode {self.draft_tokens} draft tokens a sequence"
+        if self.norm_over == "all_heads":
+            text += ", norm over all heads"
         return text
 
 
@@ -136,8 +140,10 @@ class FusedData:
         self.v = [randn(tokens, hk, d) for _ in range(n)]
         self.positions = [self._positions(g) for _ in range(n)]
         self.cache = cr.cos_sin_cache(MAX_POSITION, lay.rot, dtype="float32", like=self.q[0])
-        self.q_weight = torch.rand(d, device=device, generator=g).to(torch.bfloat16) + 0.5
-        self.k_weight = torch.rand(d, device=device, generator=g).to(torch.bfloat16) + 0.5
+        # per head: (D,); over all heads: one weight per element of the projection
+        q_width, k_width = (hq * d, hk * d) if lay.norm_over == "all_heads" else (d, d)
+        self.q_weight = torch.rand(q_width, device=device, generator=g).to(torch.bfloat16) + 0.5
+        self.k_weight = torch.rand(k_width, device=device, generator=g).to(torch.bfloat16) + 0.5
         sequences = tokens // lay.draft_tokens if lay.draft_tokens else 0
         num_blocks = max(-(-tokens // BLOCK_SIZE), sequences) + 8
         self.k_cache = torch.zeros(num_blocks, BLOCK_SIZE, hk, d, device=device,
@@ -220,9 +226,14 @@ class FusedData:
 
 
 def _rms_norm(x, weight):
+    """RMSNorm over each head, or (weights of every element of the projection) over all heads of
+    a token together, as OLMo 2 normalises its projections before splitting the heads."""
     import torch
 
-    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, EPS)
+    if weight.numel() == x.shape[-1]:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, EPS)
+    flat = x.flatten(-2)
+    return torch.nn.functional.rms_norm(flat, (flat.shape[-1],), weight, EPS).view(x.shape)
 
 
 def _quantize(x):
@@ -291,15 +302,16 @@ def _compiled(op: str, rope=hf_rope):
     return torch.compile(unfused(op, rope), dynamic=False)
 
 
-def fused(op: str, inplace: bool = False, scaling: dict | None = None):
+def fused(op: str, inplace: bool = False, scaling: dict | None = None,
+          norm_over: str = "head"):
     """The fused call of ``op``, taking the arguments of :meth:`FusedData.arg_sets`; ``scaling``
-    is passed on (M-RoPE)."""
+    (M-RoPE) and ``norm_over`` are passed on."""
     import cupyrope as cr
 
     if op == "rms_norm_rope":
         def norm_rope(q, k, positions, cache, qw, kw):
             return cr.rms_norm_rope(q, k, qw, kw, positions, eps=EPS, cos_sin_cache=cache,
-                                    scaling=scaling, inplace=inplace)
+                                    scaling=scaling, inplace=inplace, norm_over=norm_over)
         return norm_rope
     if op == "fp8 out":
         def rope_fp8(q, k, positions, cache):
@@ -314,7 +326,7 @@ def fused(op: str, inplace: bool = False, scaling: dict | None = None):
 
     def rope_cache(q, k, v, positions, cache, slots, k_cache, v_cache, qw=None, kw=None):
         if qw is not None:
-            options.update(q_weight=qw, k_weight=kw, eps=EPS)
+            options.update(q_weight=qw, k_weight=kw, eps=EPS, norm_over=norm_over)
         return cr.rope_and_cache(q, k, v, positions, k_cache, v_cache, slots,
                                  cos_sin_cache=cache, inplace=inplace, **options)
     return rope_cache
@@ -342,7 +354,7 @@ def make_fused_workload(op: str, impl: str, data: FusedData) -> Workload:
         # Small launches in place (a decode step rotates its q and k where they are); the fp8
         # outputs are new arrays by nature.
         fn = fused(op, inplace=data.tokens <= GRAPH_MAX_TOKENS and op != "fp8 out",
-                   scaling=scaling)
+                   scaling=scaling, norm_over=data.layout.norm_over)
     elif impl == "plain-rope":
         fn = plain_rope(op, scaling)
     elif impl == "unfused-eager":

@@ -149,6 +149,8 @@ SERVING_LAYOUTS = {
     "rot-quarter": HeadLayout(num_q_heads=16, num_k_heads=2, head_dim=256, rotary_dim=64),
     "rot-half": HeadLayout(num_q_heads=32, num_k_heads=2, head_dim=128, rotary_dim=64),
     "spec-decode": HeadLayout(draft_tokens=4),  # 64 sequences x 4 draft tokens
+    # OLMo 2 7B: 32 heads of q and of k, norms over the whole projections
+    "olmo2": HeadLayout(num_q_heads=32, num_k_heads=32, norm_over="all_heads"),
 }
 SERVING_OPS = ("rms_norm_rope", "rope_and_cache")
 SERVING_IMPLS = ("copy", "cupyrope-fused", "unfused-compile")

@@ -100,7 +100,7 @@ FUSION_PARAMS_DTYPE = np.dtype(
         "q_out_scales_token_stride", "q_out_scales_head_stride", "k_out_scales_token_stride",
         "k_out_scales_head_stride", "k_cache_scales_block_stride", "k_cache_scales_slot_stride",
         "k_cache_scales_head_stride", "v_cache_scales_block_stride", "v_cache_scales_slot_stride",
-        "v_cache_scales_head_stride", "row_scaled", "all_heads")]
+        "v_cache_scales_head_stride", "row_scaled")]
 )
 
 # Field for field the layout of cupyrope::FusedDecodeParams (the fused decode kernel's compact

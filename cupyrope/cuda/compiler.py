@@ -54,6 +54,9 @@ class KernelSpec:
     # The lean fused kernel with lanes for the dims past rotary_dim (a partial rotation: Qwen3-Next,
     # GLM), likewise a flag of its own.
     partial: bool = False
+    # rope_fused_all_heads_kernel: the general fused kernel with the norm over all heads of a
+    # token (norm_over="all_heads"), stores quantised per row or not
+    all_heads: bool = False
 
     @property
     def name_expression(self) -> str:
@@ -61,6 +64,7 @@ class KernelSpec:
         kernel = ("rope_fused_decode_kernel" if self.decode and self.fused else
                   "rope_decode_kernel" if self.decode else
                   "rope_fused_lean_kernel" if self.fused and self.lean else
+                  "rope_fused_all_heads_kernel" if self.fused and self.all_heads else
                   "rope_fused_rows_kernel" if self.fused and self.rows else
                   "rope_fused_kernel" if self.fused else
                   "rope_lean_kernel" if self.lean else "rope_kernel")
@@ -123,10 +127,12 @@ def _fused_specialisations() -> tuple[KernelSpec, ...]:
     partial = [dataclasses.replace(spec, partial=True) for spec in lean]
     # Stores quantised per row: every layout of the general fused kernel.
     rows = [dataclasses.replace(spec, rows=True) for spec in specs]
+    # The norm over all heads: every layout of the general fused kernel (rows or not).
+    all_heads = [dataclasses.replace(spec, all_heads=True) for spec in specs]
     # The fused decode kernels: the lean fused layouts without M-RoPE, few tokens
     # (launch.fused_decode_applies).
     decode = [dataclasses.replace(spec, decode=True) for spec in lean]
-    return tuple(specs + lean + mrope + partial + rows + decode)
+    return tuple(specs + lean + mrope + partial + rows + all_heads + decode)
 
 
 FUSED_SPECIALISATIONS: tuple[KernelSpec, ...] = _fused_specialisations()

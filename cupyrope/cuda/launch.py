@@ -387,7 +387,9 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
             _norm_weights_vector_ok(fusion))
         spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
                           wide_index, lean, fused=True, norm=lean and fusion.norm,
-                          cache=lean and fusion.writes_cache, rows=fusion.row_scaled,
+                          cache=lean and fusion.writes_cache,
+                          rows=fusion.row_scaled and not fusion.all_heads,
+                          all_heads=fusion.all_heads,
                           mrope=lean and bool(plan.mrope_mode),
                           partial=lean and plan.rotary_dim < plan.head_dim)
         ring = not lean and fused_ring(plan, fusion, vector)
@@ -402,7 +404,8 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
         fusion_params["ring"] = ring
         extra_heads = plan.num_k_heads if fusion.writes_cache else 0
         if fusion.all_heads:
-            block, grid = all_heads_geometry(plan, access, pairs, copy_pass, extra_heads)
+            block, grid = all_heads_geometry(plan, access, pairs, copy_pass, extra_heads,
+                                             num_regs(spec), multiprocessors)
         else:
             block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
                                           multiprocessors, extra_heads=extra_heads,
@@ -709,11 +712,13 @@ def fused_shared_bytes(plan: RopePlan, fusion, ring: bool, block) -> int:
 
 
 def all_heads_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool,
-                       extra_heads: int):
+                       extra_heads: int, num_regs: int, multiprocessors: int):
     """(block, grid) of a fused launch with the norm over all heads (kernels_cu/fused.cuh:
     block_sums): one token a block (blockDim.z = 1) and every head of it in that block
     (gridDim.y = 1), whole warps. x: the lanes of a head, a power of two (the per-head launches'
-    lanes); y: head lanes, as many as fit, each thread taking the same number of heads."""
+    lanes); y: head lanes, as many as fit, each thread taking the same number of heads. At most
+    one wave of resident blocks, each striding over tokens: a block fills the weights of every
+    head into its shared memory once, not once a token."""
     chunks = (plan.rotary_dim // 2) // pairs
     pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
     lanes = 1 << (max(1, min(chunks or pass_chunks, 32)) - 1).bit_length()
@@ -721,8 +726,9 @@ def all_heads_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool,
     most = THREADS_PER_BLOCK // lanes
     heads_per_thread = -(-num_heads // most)
     warp_rows = max(1, 32 // lanes)  # head lanes that make whole warps
-    rows = -(-(-(-num_heads // heads_per_thread)) // warp_rows) * warp_rows
-    return (lanes, min(rows, most), 1), (min(plan.num_tokens, MAX_GRID_X), 1)
+    rows = min(-(-(-(-num_heads // heads_per_thread)) // warp_rows) * warp_rows, most)
+    wave = _resident_blocks(lanes * rows, num_regs) * multiprocessors
+    return (lanes, rows, 1), (min(plan.num_tokens, wave), 1)
 
 
 # (kernel handle, bytes) whose opt-in to more dynamic shared memory is made (the attribute
@@ -798,7 +804,6 @@ def fusion_struct(plan: RopePlan, fusion, copy_pass: bool) -> np.ndarray:
     """The FusionParams of a fused launch."""
     f = np.zeros((), dtype=FUSION_PARAMS_DTYPE)
     f["norm"] = fusion.norm
-    f["all_heads"] = fusion.all_heads
     f["write_pass_through"] = copy_pass and (not plan.inplace or fusion.norm) and fusion.rotate
     if fusion.norm:  # (all heads: [num_heads, head_dim] weights are one run of equal steps)
         f["q_weight"], f["q_weight_stride"] = fusion.q_weight.ptr, fusion.q_weight.strides[-1]

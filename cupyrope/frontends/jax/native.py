@@ -248,7 +248,8 @@ def _flat_block(plan, spec) -> tuple[tuple[int, int, int], tuple[int, int], int]
         choice = (x, y, 1) if x * y <= limit else None
     else:
         # Row-scaled launches keep a row buffer per head lane group: at most `rows` of them.
-        rows = _row_buffers(plan) if spec.kernel.fused and spec.kernel.rows else limit
+        rows = (_row_buffers(plan) if spec.kernel.fused and plan.fusion.row_scaled
+                else limit)
         shapes = [(abs(c - z), abs(b - y), -b * c, b, c) for c in range(1, z + 1)
                   for b in range(1, limit // (x * c) + 1)
                   if (x * b * c) % 32 == 0 and b * c <= rows]
@@ -300,6 +301,9 @@ def _body(kernel) -> tuple[str, str]:
                 f"{threads}, cupyrope::FusedLeanMinBlocksPerSM<{t}, {interleaved}, {norm}, "
                 f"{cache}, {source}, {str(kernel.mrope).lower()}, "
                 f"{str(kernel.partial).lower()}>::flat_entry")
+    if kernel.fused and kernel.all_heads:  # rope_fused_all_heads_kernel's body and bounds
+        return (f"cupyrope::rope_fused_tokens{template[:-1]}, true, true>",
+                f"{threads}, {'1' if wide == 'true' else '2'}")
     if kernel.fused and kernel.rows:  # rope_fused_rows_kernel's body and bounds
         return (f"cupyrope::rope_fused_tokens{template[:-1]}, true>",
                 f"{threads}, {'1' if wide == 'true' else '2'}")
