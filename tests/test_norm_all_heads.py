@@ -73,7 +73,8 @@ def test_norm_over_all_heads_matches_the_reference(backend, rng, dtype, source, 
         _assert_close(got, expected, dtype, f"{backend} {name}")
 
 
-@pytest.mark.parametrize("backend", GPU_AND_NUMPY, indirect=True)
+@pytest.mark.parametrize("backend", backend_params(["numpy", "cupy", "torch-cuda", "jax-gpu"]),
+                         indirect=True)
 @pytest.mark.parametrize("T,Hq,Hk,D,dtype", [
     (5, 64, 64, 128, "bfloat16"),   # 64 KiB of float32 weights: past 48 KiB of shared memory
     (3, 5, 3, 64, "float16"),       # heads that fill no whole warp
@@ -278,7 +279,8 @@ def test_norm_over_all_heads_takes_one_token_a_block_with_every_head(T):
     from cupyrope.core.fused_plan import plan_fused
     from cupyrope.cuda import launch
 
-    for hq, hk, cache in ((32, 8, False), (32, 8, True), (64, 64, False), (5, 3, True)):
+    for hq, hk, cache in ((32, 8, False), (32, 8, True), (64, 64, False), (5, 3, True),
+                          (12, 4, True)):
         D = 128
         q, k = np.zeros((T, hq, D), np.float32), np.zeros((T, hk, D), np.float32)
         fusion = dict(norm=True, q_weight=np.ones(hq * D, np.float32),
