@@ -282,6 +282,8 @@ _SCALES = ("q_scale", "k_scale", "v_scale")
 
 _FUSED_INDEX = {name: i for i, name in enumerate(FUSED_OPERANDS)}
 _SCALE_INDICES = frozenset(_FUSED_INDEX[name] for name in _SCALES)
+# The operands always keyed as arrays (a scale may be a number: an option then)
+_ARRAY_OPERANDS = frozenset(FUSED_OPERANDS) - frozenset(_SCALES)
 
 
 def fused_call_key(op_name: str, q, k, positions, rope: dict, fusion: dict):
@@ -294,20 +296,26 @@ def fused_call_key(op_name: str, q, k, positions, rope: dict, fusion: dict):
     if operands is None:
         return None
     metas, pointers = operands
-    options = []
-    for name, value in (*rope.items(), *fusion.items()):
+    # Every option as (name, type, value), the array operands (keyed above) left out; a list
+    # comprehension, then fixes for the few values of other types (half the cost of a loop).
+    options = [(name, type(value), value) for name, value in rope.items()
+               if name not in _ARRAY_OPERANDS]
+    options += [(name, type(value), value) for name, value in fusion.items()
+                if name not in _ARRAY_OPERANDS]
+    for at, (name, kind, value) in enumerate(options):
+        if kind in _PLAIN_OPTION_TYPES:
+            continue
         index = _FUSED_INDEX.get(name)
-        if index is not None and (index not in _SCALE_INDICES or metas[index]):
-            continue  # an array operand, keyed above
-        if type(value) not in _PLAIN_OPTION_TYPES:
-            if _is_array(value):
-                return None  # an array where an option goes: the full path decides
-            if name == "scaling" and value is not None:
-                try:
-                    value = exact_key(value)
-                except TypeError:
-                    return None
-        options.append((name, type(value), value))
+        if index is not None and metas[index]:  # a scale given as an array: keyed above
+            options[at] = None
+        elif _is_array(value):
+            return None  # an array where an option goes: the full path decides
+        elif name == "scaling":
+            try:
+                value = exact_key(value)
+            except TypeError:
+                return None
+            options[at] = (name, type(value), value)
     try:
         key = (op_name, tuple(metas), tuple(options))
         hash(key)
