@@ -1,9 +1,11 @@
 """Hugging Face models patched by ``cupyrope.compat.patch_hf_model``, end to end (GPU only).
 
-A Llama-8B-width model (hidden 4096, 32 q heads, 8 kv heads, head_dim 128, intermediate 14336)
-and a Qwen3-8B-width one (the same attention, per-head QK-norm: the fused ``rms_norm_rope``
-path, intermediate 12288), each of 2 layers in bfloat16 with random weights from its config (no
-download) and a 32000-token vocabulary, SDPA attention, unpatched then patched:
+A Llama-8B-width model (hidden 4096, 32 q heads, 8 kv heads, head_dim 128, intermediate 14336),
+a Qwen3-8B-width one (the same attention, per-head QK-norm: the fused ``rms_norm_rope`` path,
+intermediate 12288) and an OLMo-2-7B-width one (32 kv heads, norms over the whole projections:
+``rms_norm_rope(norm_over="all_heads")``, intermediate 11008), each of 2 layers in bfloat16 with
+random weights from its config (no download) and a 32000-token vocabulary, SDPA attention,
+unpatched then patched:
 
 - ``test_decode_step``: one token per sequence on a KV cache of ``CONTEXT`` tokens (a
   ``DynamicCache`` cropped back after each step, so every step is the same), B = 1, 8, 64;
@@ -41,6 +43,10 @@ WIDTH = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, he
 MODELS = {
     "llama-8b-width": ("LlamaForCausalLM", "LlamaConfig", dict(intermediate_size=14336)),
     "qwen3-8b-width": ("Qwen3ForCausalLM", "Qwen3Config", dict(intermediate_size=12288)),
+    # OLMo 2 7B's attention: 32 kv heads, q / k norms over the whole projections (one
+    # rms_norm_rope(norm_over="all_heads") a layer when patched)
+    "olmo2-7b-width": ("Olmo2ForCausalLM", "Olmo2Config",
+                       dict(intermediate_size=11008, num_key_value_heads=32)),
 }
 
 _MEDIANS: dict = {}   # (model, case) -> unpatched median, µs per step
@@ -53,7 +59,7 @@ def build_model(name: str, device="cuda", width=WIDTH):
     import transformers
 
     model_class, config_class, extra = MODELS[name]
-    config = getattr(transformers, config_class)(**width, **extra)
+    config = getattr(transformers, config_class)(**{**width, **extra})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
@@ -197,7 +203,7 @@ def test_prefill_step(benchmark, model_name, tokens):
 HOST_IMPLS = ("apply_rope-inplace", "apply_rope", "patched-layer", "patched-layer-qk-norm",
               "rms_norm_rope-inplace", "hf_apply_rotary_pos_emb", "transformers",
               "llama-attention", "llama-attention-patched", "qwen3-attention",
-              "qwen3-attention-patched")
+              "qwen3-attention-patched", "olmo2-attention", "olmo2-attention-patched")
 
 
 def rotation_calls(device="cuda", batch: int = HOST_BATCH, width=WIDTH):
@@ -250,7 +256,7 @@ def rotation_calls(device="cuda", batch: int = HOST_BATCH, width=WIDTH):
 
         calls[f"{family}-attention"] = attention
         calls[f"{family}-attention-patched"] = attention_patched
-        if ops == {"rms_norm_rope"}:
+        if ops == {"rms_norm_rope"} and family == "qwen3":  # per-head norms
             rotate = hf._norm_rotation("q_norm", "k_norm", False, hf.hf_apply_rotary_pos_emb)
 
             def fused(rotate=rotate, layer=layer):

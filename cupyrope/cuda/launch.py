@@ -410,8 +410,8 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
             block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
                                           multiprocessors, extra_heads=extra_heads,
                                           power_of_two_lanes=fusion.norm or fusion.row_scaled,
-                                          lean_pass_lanes=(lean_pass_lanes(plan, pairs, copy_pass)
-                                                           if lean else 0))
+                                          pass_lanes=(lean_pass_lanes(plan, pairs, copy_pass)
+                                                      if lean else 0))
         if fusion.row_scaled:
             block, grid = fit_row_buffers(plan, fusion, block, grid)
         shared_bytes = 0 if lean else fused_shared_bytes(plan, fusion, ring, block)
@@ -524,7 +524,7 @@ def _resident_blocks(threads: int, num_regs: int) -> int:
 def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, num_regs: int,
                     multiprocessors: int | None = None, *, extra_heads: int = 0,
                     power_of_two_lanes: bool = False, plain: bool = False,
-                    lean_pass_lanes: int = 0):
+                    pass_lanes: int = 0):
     """(block, grid) for a plan.
 
     x: lanes over the chunks of pairs of a head (out of place, the same lanes then copy the
@@ -540,14 +540,14 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     lanes rounded up to a power of two and at most UNEVEN_LANES_MAX_HEADS heads a thread, so that
     no warp holds part of a head whose other part another warp rewrites.
 
-    ``lean_pass_lanes``: the lean fused kernel's lanes of the dims past rotary_dim, after the
+    ``pass_lanes``: the lean fused kernel's lanes of the dims past rotary_dim, after the
     rotated chunks' (:func:`lean_pass_lanes`); the other kernels spread those dims over the
     rotated chunks' lanes.
     """
     chunks = (plan.rotary_dim // 2) // pairs
     pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
-    if lean_pass_lanes:
-        chunks, pass_chunks = chunks + lean_pass_lanes, 0
+    if pass_lanes:
+        chunks, pass_chunks = chunks + pass_lanes, 0
     # Without rotation (rotary_dim 0: write_cache) the lanes split the copied chunks instead.
     lanes = max(1, min(chunks or pass_chunks, 32))
     candidates = HEADS_PER_THREAD
