@@ -368,3 +368,40 @@ def test_norm_over_all_heads_operator_passes_opcheck(rng, device):
     torch.library.opcheck(torch.ops.cupyrope.rms_norm_rope_.default,
                           op_args("rms_norm_rope_", q=q.clone(), k=k.clone(), q_weight=wq,
                                   k_weight=wk, eps=1e-6, norm_over="all_heads", **rotation))
+
+
+def test_norm_over_all_heads_leaves_per_row_stores_room_or_refuses():
+    """Stores quantised per row keep a row buffer per head row beside the weights of every head:
+    with 88 heads of 128 the buffers of a whole warp's head rows still fit the 48 KiB a launch
+    takes without opting in; with 92 they do not, and the launch plan refuses (nothing is
+    launched) naming what to do instead."""
+    from cupyrope.core.arrays import describe
+    from cupyrope.core.fused_plan import plan_fused
+    from cupyrope.cuda import launch
+
+    T, D = 3, 128
+    for heads, fits in ((88, True), (92, False)):
+        hq, hk = heads - 8, 8
+        q = np.zeros((T, hq, D), ml_dtypes.bfloat16)
+        k = np.zeros((T, hk, D), ml_dtypes.bfloat16)
+        fusion = dict(norm=True, q_weight=np.ones(hq * D, np.float32),
+                      k_weight=np.ones(hk * D, np.float32), eps=1e-6, norm_over="all_heads",
+                      out_dtype="float8_e4m3fn", q_scale=np.zeros((T, hq), np.float32),
+                      k_scale=np.zeros((T, hk), np.float32))
+        plan = plan_fused("rms_norm_rope", q, k, np.arange(T), validate=False,
+                          rope=dict(cos_sin_cache=np.zeros((16, D), np.float32), inplace=False),
+                          fusion=fusion)
+        assert plan.fusion.row_scaled and plan.fusion.all_heads
+        outputs = [describe(np.zeros(x.shape, np.uint8), name)
+                   for x, name in ((q, "q_out"), (k, "k_out"))]
+        plan_it = lambda: launch.plan_launch(plan, outputs, num_regs=lambda spec: 128,  # noqa: E731
+                                             multiprocessors=132, angle_arithmetic="float64")
+        if fits:
+            spec = plan_it()
+            x, y, z = spec.block
+            assert spec.kernel.all_heads and z == 1 and (x * y) % 32 == 0
+            assert spec.shared_bytes <= launch.MAX_SHARED_ANGLE_BYTES
+        else:
+            with pytest.raises(ValueError, match="too little shared memory for stores quantised "
+                                                 "per row"):
+                plan_it()
