@@ -421,8 +421,9 @@ def _fusable_norms(layer, form) -> bool:
         weight = norm._parameters.get("weight")
         if weight is None or weight.dim() != 1:
             return False
+        # per head: head_dim weights; over the whole projection: whole heads of them
         width = weight.shape[0]
-        if width != head_dim if not form.norms_over_projection else width % head_dim:
+        if (width % head_dim != 0) if form.norms_over_projection else (width != head_dim):
             return False
     norm_form = _rms_norm_form(q_norm)
     return (norm_form is not None and q_norm.__dict__.get(norm_form.eps_name)

@@ -317,6 +317,13 @@ def _plan_row_scales(plan: "FusionPlan", q: ArrayInfo, k: ArrayInfo | None, per_
 NORM_OVER = ("head", "all_heads")
 
 
+def check_norm_over(value, op_name: str) -> str:
+    """``value`` when it is one of :data:`NORM_OVER`, else ValueError naming them."""
+    if not isinstance(value, str) or value not in NORM_OVER:
+        raise ValueError(f"{op_name}: norm_over must be one of {NORM_OVER}, got {value!r}")
+    return value
+
+
 def _weight(value, name: str, op_name: str, q: ArrayInfo, head_dim: int,
             num_heads: int | None = None) -> ArrayInfo:
     """A norm weight: ``(head_dim,)``, or with ``num_heads`` (the norm over all heads) ``(num_heads
@@ -360,9 +367,7 @@ def plan_fusion(op_name: str, q: ArrayInfo, k: ArrayInfo | None, *, q_weight=Non
     if not plan.rotate and (norm or out_dtype is not None or k_cache is None):
         raise ValueError(f"{op_name}: a call without rotation only writes k and v into a KV cache "
                          "(no norm, no fp8 outputs)")
-    if not isinstance(norm_over, str) or norm_over not in NORM_OVER:
-        raise ValueError(f"{op_name}: norm_over must be one of {NORM_OVER}, got {norm_over!r}")
-    if norm_over != "head" and not norm:
+    if check_norm_over(norm_over, op_name) != "head" and not norm:
         raise ValueError(f"{op_name}: norm_over={norm_over!r} is only used with the norm (pass "
                          "q_weight and k_weight)")
     if norm:
@@ -376,12 +381,13 @@ def plan_fusion(op_name: str, q: ArrayInfo, k: ArrayInfo | None, *, q_weight=Non
         plan.weight_offset = check_real(weight_offset, "weight_offset", op_name)
         if q_weight is None:
             raise TypeError(f"{op_name}: q_weight is required")
-        heads = (lambda x: x.shape[-2]) if plan.all_heads else (lambda x: None)
-        plan.q_weight = _weight(q_weight, "q_weight", op_name, q, head_dim, heads(q))
+        plan.q_weight = _weight(q_weight, "q_weight", op_name, q, head_dim,
+                                q.shape[-2] if plan.all_heads else None)
         if k is not None:
             if k_weight is None:
                 raise TypeError(f"{op_name}: k_weight is required when k is given")
-            plan.k_weight = _weight(k_weight, "k_weight", op_name, q, head_dim, heads(k))
+            plan.k_weight = _weight(k_weight, "k_weight", op_name, q, head_dim,
+                                    k.shape[-2] if plan.all_heads else None)
             if plan.k_weight.dtype != plan.q_weight.dtype:
                 raise TypeError(f"{op_name}: q_weight and k_weight must have one dtype, got "
                                 f"{plan.q_weight.dtype} and {plan.k_weight.dtype}")

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from ... import execute
-from ...core.fused_plan import (LAYOUTS, NORM_OVER, PER_HEAD, cache_format_name, fp8_name,
-                                is_per_row)
+from ...core.fused_plan import (LAYOUTS, PER_HEAD, cache_format_name, check_norm_over,
+                                fp8_name, is_per_row)
 from ...core.plan import plan_rope
 from ...core.scaling import scaling_from_op_args, scaling_op_args
 from ...core.validators import check_bool, check_int, check_real
@@ -348,10 +348,7 @@ def fused_op_args(op_name, q, k, positions, rope: dict, fusion: dict, validate) 
     arrays = ["q_weight", "k_weight"] if "q_weight" in fusion else []
     if "q_weight" in fusion:
         eps = fusion["eps"]
-        norm_over = fusion.get("norm_over", "head")
-        if not isinstance(norm_over, str) or norm_over not in NORM_OVER:
-            raise ValueError(f"{op_name}: norm_over must be one of {NORM_OVER}, got "
-                             f"{norm_over!r}")
+        norm_over = check_norm_over(fusion.get("norm_over", "head"), op_name)
         named.update(q_weight=fusion["q_weight"], k_weight=fusion["k_weight"],
                      eps=None if eps is None else _number(eps, "eps", op_name),
                      weight_offset=_number(fusion["weight_offset"], "weight_offset", op_name),
