@@ -11,8 +11,8 @@
 # tests and the NVRTC builds of every architecture with their spill checks are CI's), times the
 # first call of a new process with a cold and with a warm CuPy kernel cache, runs the benchmarks,
 # and prints a summary table last. The exit status is pytest's, or 1 when the kernel cache
-# failed. On an H200 (16 cores, 90efaed): setup 14 s, kernel cache 53 s, the suite 136 s, the
-# torch.compile pre-step 76 s, the benchmarks 125 s: 407 s in all (the aim is 300 s).
+# failed. On an H100 (16 cores, 2026-11-28): setup 5 s, kernel cache 49 s, the suite 89 s, the
+# torch.compile / XLA pre-step 57 s, the benchmarks 130 s: 334 s in all (the aim is 300 s).
 #
 # Files written to ${OUT:-/tmp} (the device tool returns at most 8): pytest.log, pytest.xml (times),
 # first_call_{cold,warm}.log, and, when they run, bench.log, bench_summary.md, bench.json, sweep/ (table, JSON,
@@ -53,6 +53,11 @@ export CUPYROPE_REQUIRE_INTEROP="${CUPYROPE_REQUIRE_INTEROP-torch,jax}"
 # tests/test_kernel_compile.py must fail, not skip, if NVRTC cannot be loaded here.
 export CUPYROPE_REQUIRE_NVRTC="${CUPYROPE_REQUIRE_NVRTC-1}"
 export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1
+# Inductor compiles Triton kernels in a pool of min(32, cores) subprocesses per Python process,
+# each importing torch: under pytest-xdist that is one pool per worker, 16 x 16 processes on 16
+# cores. The parallel steps (the suite, the benchmarks' torch.compile caches) set it to 1 on their
+# command lines: their workers already fill the cores. The timed benchmarks keep the default.
+XDIST_INDUCTOR=(env TORCHINDUCTOR_COMPILE_THREADS=1)
 
 section() { echo; echo "=== [${SECONDS}s] $*"; }
 
@@ -61,8 +66,10 @@ section "GPU"
 nvidia-smi -L || echo "(nvidia-smi failed)"
 GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
 
-section "versions"
-"${PY}" - <<'EOF'
+# The versions (importing torch, JAX and CuPy: ~10 s on one core) are read beside the install and
+# the kernel cache, and printed after them.
+VERSIONS_LOG="$(mktemp "${TMPDIR:-/tmp}/gpu_check_versions.XXXXXX")"
+"${PY}" - >"${VERSIONS_LOG}" 2>&1 <<'EOF' &
 import importlib
 import platform
 
@@ -100,6 +107,7 @@ try:
 except Exception as exc:
     print(f"jax devices unavailable ({type(exc).__name__}: {exc})")
 EOF
+VERSIONS_PID=$!
 if [[ -z "${GPU_NAME}" ]]; then
     GPU_NAME="$("${PY}" -c 'import cupy; n = cupy.cuda.runtime.getDeviceProperties(0)["name"]; print(n.decode() if isinstance(n, bytes) else n)' 2>/dev/null || echo unknown)"
 fi
@@ -132,6 +140,11 @@ if [[ "${GPU_CHECK_SUITE:-1}" != 0 || "${GPU_CHECK_SANITIZER:-0}" == 1 ]]; then
     KERNEL_CACHE="$(tail -n 1 /tmp/kernel_cache.log) (exit ${KERNEL_CACHE_STATUS})"
 fi
 
+section "versions"
+wait "${VERSIONS_PID}"
+cat "${VERSIONS_LOG}"
+rm -f "${VERSIONS_LOG}"
+
 PYTEST_STATUS=0
 SUMMARY_LINE="(suite not run)"
 if [[ "${GPU_CHECK_SUITE:-1}" != 0 ]]; then
@@ -160,7 +173,7 @@ if [[ "${GPU_CHECK_SUITE:-1}" != 0 ]]; then
         export CUPYROPE_COMPILE_ARCHS
     fi
     echo "NVRTC builds for: ${CUPYROPE_COMPILE_ARCHS:-every architecture} (GPU_CHECK_NVRTC=1 runs them)"
-    "${PY}" -m pytest tests -m "gpu or nvrtc" -q -rfEs --maxfail=25 --durations=12 ${XDIST_ARGS[@]+"${XDIST_ARGS[@]}"} \
+    "${XDIST_INDUCTOR[@]}" "${PY}" -m pytest tests -m "gpu or nvrtc" -q -rfEs --maxfail=25 --durations=12 ${XDIST_ARGS[@]+"${XDIST_ARGS[@]}"} \
         --junitxml="${OUT_DIR}/pytest.xml" \
         ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} -p no:cacheprovider 2>&1 | tee "${OUT_DIR}/pytest.log"
     PYTEST_STATUS=${PIPESTATUS[0]}
@@ -260,10 +273,15 @@ elif [[ -d benchmarks ]]; then
     # the timed run, which then only traces (each case compiles one graph for its own shapes:
     # cupyrope.bench compiles with dynamic=False). Its failures do not count: the timed run is
     # the check. (Run beside the kernel cache instead, both took as long as one after the other.)
+    # XLA's compiles of the JAX benchmarks (about a second each) go to JAX's persistent cache the
+    # same way (executables that call back into Python are never cached: those compile again).
+    JAX_COMPILATION_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_jax_cache.XXXXXX")"
+    export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
     if [[ "${GPU_CHECK_BENCH_PRECOMPILE:-1}" == 1 ]] && "${PY}" -c 'import xdist' 2>/dev/null; then
-        section "benchmarks: torch.compile caches, one worker per core"
+        section "benchmarks: torch.compile and XLA caches, one worker per core"
         timeout --signal=INT --kill-after=15 "${GPU_CHECK_BENCH_PRECOMPILE_TIMEOUT:-150}" \
-            "${PY}" -m pytest benchmarks -k compile -n "${GPU_CHECK_WORKERS:-$(nproc)}" -q \
+            "${XDIST_INDUCTOR[@]}" "${PY}" -m pytest benchmarks -k "compile or jax" -n "${GPU_CHECK_WORKERS:-$(nproc)}" -q \
             -p no:cacheprovider --durations=3 2>&1 | tail -n 6
     fi
     section "benchmarks"
@@ -273,6 +291,8 @@ elif [[ -d benchmarks ]]; then
         --benchmark-json="${OUT_DIR}/bench.json" 2>&1 \
         | tee "${OUT_DIR}/bench.log"
     bench_status=${PIPESTATUS[0]}
+    rm -rf "${JAX_COMPILATION_CACHE_DIR}"
+    unset JAX_COMPILATION_CACHE_DIR
     BENCH="exit ${bench_status}$([[ ${bench_status} -eq 124 ]] && echo " (timed out after ${budget}s)"), see bench.log"
 fi
 

@@ -180,9 +180,27 @@ def test_compile_hands_every_specialisation_to_exactly_one_worker(monkeypatch):
 
     compiled = []
     monkeypatch.setattr(compiler, "get_kernel", lambda spec, device_id: compiled.append(spec))
-    jobs = 5
-    counts = [kernel_cache._compile_slice(0, first, jobs) for first in range(jobs)]
-    assert sum(counts) == len(compiler.ALL_SPECIALISATIONS) == len(compiled)
+
+    class InProcessPool:  # the process pool's map, run here in the order it hands jobs out
+        def __init__(self, jobs, mp_context):
+            assert jobs == 5 and mp_context.get_start_method() == "spawn"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            return False
+
+        def map(self, fn, *iterables, chunksize):
+            assert chunksize == 1  # one at a time: a free worker takes the next longest
+            return map(fn, *iterables)
+
+    monkeypatch.setattr(kernel_cache.concurrent.futures, "ProcessPoolExecutor", InProcessPool)
+    count = kernel_cache.fill_kernel_cache(device=0, jobs=5)
+    assert count == len(compiler.ALL_SPECIALISATIONS) == len(compiled)
     assert sorted(map(repr, compiled)) == sorted(map(repr, compiler.ALL_SPECIALISATIONS))
+    ranks = [kernel_cache.compile_cost_rank(spec) for spec in compiled]
+    assert ranks == sorted(ranks, reverse=True) and ranks[0] > ranks[-1]  # the longest first
+    assert compiled[0].all_heads
     with pytest.raises(ValueError, match="jobs must be at least 1, got 0"):
         kernel_cache.fill_kernel_cache(device=0, jobs=0)

@@ -1,7 +1,8 @@
 """Training on the GPU: autograd, torch.compile, CUDA graphs, opcheck and JAX transformations.
 
 - ``gradcheck`` / ``gradgradcheck`` in float64 on CUDA tensors for every angle source, both pairings,
-  partial rotary and strided layouts (fused QKV views, ``[B, H, S, D]`` storage);
+  partial rotary and strided layouts (fused QKV views, ``[B, H, S, D]`` storage): in fast mode
+  (random projections of the Jacobian), and every entry of it for each layout and pairing;
 - gradients in every dtype: the float64 reference's inverse rotation of the upstream gradient within
   the forward's tolerance (docs/contract.md §3), and float64 gradients against autograd of an independent torch
   formulation;
@@ -62,11 +63,7 @@ def layout_qk(torch, rng, layout, dtype="float64", T=5, Hq=3, Hk=2, D=16):
 # gradients
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "fused_qkv", "bhsd"])
-@pytest.mark.parametrize("rotary_dim", [16, 10])
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("source", SOURCES)
-def test_gradcheck_float64(torch, source, interleaved, rotary_dim, layout, rng):
+def check_gradients(torch, rng, source, interleaved, rotary_dim, layout, *, fast_mode):
     leaves, token_shape, views = layout_qk(torch, rng, layout)
     lib, _, _, _ = angle_call(source, token_shape, rotary_dim, interleaved=interleaved, rng=rng,
                               device=DEVICE)
@@ -75,8 +72,28 @@ def test_gradcheck_float64(torch, source, interleaved, rotary_dim, layout, rng):
         q, k = views(*inputs)
         return cr.apply_rope(q, k, interleaved=interleaved, **lib)
 
-    assert torch.autograd.gradcheck(fn, leaves)
-    assert torch.autograd.gradgradcheck(fn, leaves)
+    assert torch.autograd.gradcheck(fn, leaves, fast_mode=fast_mode)
+    assert torch.autograd.gradgradcheck(fn, leaves, fast_mode=fast_mode)
+
+
+# gradcheck's fast mode compares the analytic and the numerical Jacobian projected on random
+# vectors (one directional derivative instead of one per input element): a wrong entry anywhere
+# moves the projection, and the whole matrix of sources, pairings, widths and layouts costs what
+# one full check does (each of those takes ~10 s on CUDA tensors, one forward per element).
+@pytest.mark.parametrize("layout", ["contiguous", "fused_qkv", "bhsd"])
+@pytest.mark.parametrize("rotary_dim", [16, 10])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("source", SOURCES)
+def test_gradcheck_float64(torch, source, interleaved, rotary_dim, layout, rng):
+    check_gradients(torch, rng, source, interleaved, rotary_dim, layout, fast_mode=True)
+
+
+# Every entry of the Jacobian (gradcheck's default mode), for each layout and pairing, with
+# pass-through dims beside the rotated ones.
+@pytest.mark.parametrize("layout", ["contiguous", "fused_qkv", "bhsd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gradcheck_float64_every_jacobian_entry(torch, interleaved, layout, rng):
+    check_gradients(torch, rng, "cache", interleaved, 10, layout, fast_mode=False)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
