@@ -343,6 +343,25 @@ __device__ __forceinline__ void lean_store_v_head(const F& f, int token, int vh,
   }
 }
 
+// What a lean fused kernel reads of a token before its heads: the position (lanes with angles
+// from a position), and the rows of its cache slot (CACHE).
+struct LeanToken {
+  long long position;
+  SlotRows slot;
+};
+
+template <int SOURCE, bool CACHE>
+__device__ __forceinline__ LeanToken lean_token(const RopeParams& p, const FusionParams& f,
+                                                const TokenOffsets<int>& o, int token,
+                                                bool with_angles) {
+  LeanToken t{0, SlotRows{-1, -1}};
+  if (with_angles) {
+    if constexpr (SOURCE != kTokenTables) t.position = load_position(p, o.positions);
+  }
+  if constexpr (CACHE) t.slot = slot_rows(f, static_cast<long long>(token));
+  return t;
+}
+
 template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool NORM, bool CACHE,
           typename W, bool MROPE, bool PARTIAL>
 __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, const FusionParams& f) {
@@ -394,12 +413,9 @@ __device__ __forceinline__ void rope_fused_lean_tokens(const RopeParams& p, cons
   if (!kLeanWaitFirst) wait_for_previous_grid();
   for (Index token = first_token; token < num_tokens; token += token_step) {
     const TokenOffsets<Index> o = lean_token_offsets(p, token);
-    long long position = 0;
-    if (rotating) {
-      if constexpr (SOURCE != kTokenTables) position = load_position(p, o.positions);
-    }
-    SlotRows slot{-1, -1};
-    if constexpr (CACHE) slot = slot_rows(f, static_cast<long long>(token));
+    const LeanToken t = lean_token<SOURCE, CACHE>(p, f, o, token, rotating);
+    const long long position = t.position;
+    const SlotRows slot = t.slot;
     // The first head's chunk is loaded before table-read cos/sin: its load overlaps the
     // position's (and the slot's), and the sign folded into sin below waits for the table, not
     // the chunk. With computed angles it comes after them (before, it held 8 registers through
@@ -506,6 +522,176 @@ __device__ __forceinline__ void rope_fused_lean_body(const RopeParams& p, const 
   }
   rope_fused_lean_tokens<T, TableT, INTERLEAVED, SOURCE, NORM, CACHE, RuntimeWeights, MROPE,
                          PARTIAL>(p, f);
+}
+
+// ------------------------------------------------------------------------------------------------
+// The norm over all heads of a token (norm_over="all_heads": OLMo 2, FlashInfer's
+// fused_qk_rmsnorm_rope) in the lean layout with every dim rotated
+// (launch.fused_lean_all_heads_applies): one token a block, a head a thread row (blockDim.y
+// rows: as many as the q and k heads where they fit the block), each lane one chunk of pairs. A
+// thread loads its head's chunk and cos/sin, adds the chunk's squares to the token's q or k sum
+// (block_sums), then normalises (weights from global memory: L1 after the first token), rotates
+// and stores the chunk it still holds, so that the token is read from DRAM once and no shared
+// copy of the weights is made (the general all-heads kernel filled every head's weights into
+// shared memory and read each head twice: 53-57 % of an SM copy on an H100). Heads past the
+// block's rows are read again for their stores (from L1: the block read them for the sums).
+// 3 resident blocks (80 registers); off Hopper 2 (128) for the 16-bit NeoX cache write, which
+// spilled 16 bytes at 80 on sm_80 and sm_100 (NVRTC 13.5; none on sm_90).
+template <typename T, bool INTERLEAVED, bool CACHE>
+struct LeanAllHeadsMinBlocksPerSM {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
+  static constexpr int value = CACHE && !INTERLEAVED && sizeof(T) == 2 ? 2 : 3;
+#else
+  static constexpr int value = 3;
+#endif
+};
+
+// Head `head` (of q's heads, or of k's) of an all-heads norm weight: `head * head_dim` elements
+// in, the weights' dtype known (W) or read from f.weight_dtype (RuntimeWeights).
+template <typename W, typename F>
+__device__ __forceinline__ const void* head_norm_weights(const F& f, bool is_k, int head,
+                                                         int head_dim) {
+  int bytes;
+  if constexpr (!IsSame<W, RuntimeWeights>::value) {
+    bytes = static_cast<int>(sizeof(W));
+  } else {
+    bytes = static_cast<int>(f.weight_dtype) == kWeightFloat32 ? 4 : 2;
+  }
+  return static_cast<const char*>(is_k ? f.k_weight : f.q_weight) +
+         static_cast<long long>(head) * head_dim * bytes;
+}
+
+template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool CACHE, typename W>
+__device__ __forceinline__ void rope_fused_lean_all_heads_tokens(const RopeParams& p,
+                                                                 const FusionParams& f) {
+  using Index = int;  // lean kernels use 32-bit offsets (cache rows stay 64-bit)
+  using L = Layout<T, true, INTERLEAVED>;
+  using Chunk = LeanChunk<T, INTERLEAVED>;
+  constexpr int P = L::pairs;
+  __shared__ float scratch[kAllHeadsScratch];  // block_sums: a q and a k sum per warp
+
+  wait_for_previous_grid();
+  const TableT* __restrict__ cos_table = static_cast<const TableT*>(p.cos);
+  const TableT* __restrict__ sin_table = static_cast<const TableT*>(p.sin);
+  const float sin_sign = static_cast<float>(p.sin_sign);
+
+  const Index head_dim = static_cast<Index>(p.head_dim);
+  const Index half = head_dim / 2;  // every dim rotated
+  const Index num_chunks = half / P, head_chunks = head_dim / L::access;
+  const Index num_q_heads = static_cast<Index>(p.num_q_heads);
+  const Index num_k_heads = static_cast<Index>(p.num_k_heads);
+  const Index num_rotated = num_q_heads + num_k_heads;
+  const Index num_v_heads = CACHE ? static_cast<Index>(f.num_v_heads) : 0;
+  const Index num_tokens = static_cast<Index>(p.num_tokens);
+  const Index lane = static_cast<Index>(tid_x()), row = static_cast<Index>(tid_y());
+  const Index rows = static_cast<Index>(ntid_y());
+  const Index pair0 = lane * P;
+  // Lanes past the head's chunks (lanes are a power of two) and rows past the heads load and
+  // store nothing but take part in the block's sums.
+  const bool active = lane < num_chunks;
+  const bool has_head = active && row < num_rotated;
+  const bool is_k = row >= num_q_heads;
+  const float eps = static_cast<float>(f.eps);
+  const float weight_offset = static_cast<float>(f.weight_offset);
+  const float q_inv_count = 1.0f / static_cast<float>(num_q_heads * head_dim);
+  const float k_inv_count = 1.0f / static_cast<float>(num_k_heads * head_dim);
+
+  for (Index token = static_cast<Index>(blockIdx.x); token < num_tokens;
+       token += static_cast<Index>(gridDim.x)) {
+    const TokenOffsets<Index> o = lean_token_offsets(p, token);
+    const LeanToken t = lean_token<SOURCE, CACHE>(p, f, o, token, active);
+    const long long position = t.position;
+    const SlotRows slot = t.slot;
+    // The chunk loads beside the position and the angles (computed angles: after them, as in
+    // the lean kernel, so that the chunk is not held through their arithmetic).
+    Chunk chunk;
+    if (SOURCE != kComputedAngles && has_head) {
+      chunk.load(head_rows<T, Index>(p, o, row).in, pair0, half);
+    }
+    float cos_v[P], sin_v[P];
+    if (active) {
+      chunk_angles<SOURCE, true, P, false>(p, o, position, pair0, cos_table, sin_table,
+                                           static_cast<Index>(p.cos_col_stride),
+                                           static_cast<Index>(p.sin_col_stride), true, sin_sign,
+                                           cos_v, sin_v);
+    }
+    if (SOURCE == kComputedAngles && has_head) {
+      chunk.load(head_rows<T, Index>(p, o, row).in, pair0, half);
+    }
+    // The token's sums of squares: the held chunk, then any heads past the block's rows.
+    float2 share = make_float2(0.0f, 0.0f);
+    if (has_head) {
+      const float sum = chunk.template sum_of_squares<P>();
+      if (is_k) {
+        share.y = sum;
+      } else {
+        share.x = sum;
+      }
+    }
+    if (active) {
+      for (Index head = row + rows; head < num_rotated; head += rows) {
+        Chunk other;
+        other.load(head_rows<T, Index>(p, o, head).in, pair0, half);
+        const float sum = other.template sum_of_squares<P>();
+        if (head >= num_q_heads) {
+          share.y += sum;
+        } else {
+          share.x += sum;
+        }
+      }
+    }
+    // Table-read angles take the sign here, once a token (computed ones have it).
+    if constexpr (SOURCE != kComputedAngles) {
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < P; ++i) sin_v[i] *= sin_sign;
+      }
+    }
+    const float2 sums = block_sums(share, scratch);
+    const float q_rms = rsqrtf(fmaf(sums.x, q_inv_count, eps));
+    const float k_rms = rsqrtf(fmaf(sums.y, k_inv_count, eps));
+    // The stores: the held chunk, then (heads past the block's rows) each further head read
+    // again, after the block's sums: in place, no row is written before every thread read it.
+    if (active) {
+      for (Index head = row; head < num_rotated; head += rows) {
+        if (head != row) chunk.load(head_rows<T, Index>(p, o, head).in, pair0, half);
+        const bool head_is_k = head >= num_q_heads;
+        const Index kh = head - num_q_heads;
+        long long cache_offset = -1;
+        if constexpr (CACHE) {
+          if (head_is_k && slot.k_base >= 0) {
+            cache_offset = slot.k_base + static_cast<long long>(kh) * f.k_cache_head_stride;
+          }
+        }
+        lean_rotate_store<T, P, INTERLEAVED, true, CACHE, W>(
+            f, chunk, pair0, half,
+            head_norm_weights<W>(f, head_is_k, head_is_k ? kh : head, head_dim), weight_offset,
+            head_is_k ? k_rms : q_rms, cos_v, sin_v, head_is_k, head_is_k ? p.k_out : p.q_out,
+            head_is_k ? o.k_out + kh * static_cast<Index>(p.k_out_head_stride)
+                      : o.q_out + head * static_cast<Index>(p.q_out_head_stride),
+            cache_offset);
+      }
+    }
+    if constexpr (CACHE) {
+      // The v heads, a row each, to the v cache unchanged but for fp8: last, when the chunk and
+      // the angles no longer hold registers (copied beside the chunks' loads, they spilled 8-48
+      // bytes of the 16-bit NeoX kernels at 80 registers).
+      for (Index vhead = row; vhead < num_v_heads; vhead += rows) {
+        lean_store_v_head<T>(f, token, vhead, slot.v_base, head_chunks);
+      }
+    }
+  }
+}
+
+// The kernel body for the weights' dtype: compiled for the q dtype and for any other dtype.
+template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool CACHE>
+__device__ __forceinline__ void rope_fused_lean_all_heads_body(const RopeParams& p,
+                                                               const FusionParams& f) {
+  if (f.weight_dtype == WeightDtypeOf<T>::value) {
+    rope_fused_lean_all_heads_tokens<T, TableT, INTERLEAVED, SOURCE, CACHE, T>(p, f);
+  } else {
+    rope_fused_lean_all_heads_tokens<T, TableT, INTERLEAVED, SOURCE, CACHE, RuntimeWeights>(p, f);
+  }
 }
 
 }  // namespace cupyrope

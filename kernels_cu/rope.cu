@@ -15,7 +15,7 @@
 // 16-byte accesses, 32-bit offsets, vector cos/sin rows: fewer registers and about half the
 // instructions), rope_kernel for every layout, rope_fused_kernel for the fused ops (fused.cuh)
 // (rope_fused_rows_kernel where stores are quantised per row, rope_fused_all_heads_kernel with
-// the norm over all heads), rope_fused_lean_kernel for
+// the norm over all heads), rope_fused_lean_kernel (rope_fused_lean_all_heads_kernel) for
 // their common layout (fused_lean.cuh) and rope_fused_decode_kernel for that layout at few tokens
 // (fused_decode.cuh).
 #include "angles.cuh"
@@ -255,6 +255,19 @@ template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE
 __global__ __launch_bounds__(kMaxThreadsPerBlock, WIDE_INDEX ? 1 : 2)
 void rope_fused_all_heads_kernel(const RopeParams p, const FusionParams f) {
   rope_fused_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, true, true>(p, f);
+}
+
+// The norm over all heads in the lean layout with every dim rotated (fused_lean.cuh): a head a
+// thread row, every q and k head of a token in one block (rows taking a second head read it
+// again, from L1). 3 resident blocks (80 registers; fused_lean.cuh: LeanAllHeadsMinBlocksPerSM):
+// at 64 the 16-bit NeoX kernels spilled 16-136 bytes on sm_90. CACHE: the k and v cache write.
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
+          bool CACHE>
+__global__ __launch_bounds__(kMaxThreadsPerBlock,
+                             LeanAllHeadsMinBlocksPerSM<T, INTERLEAVED, CACHE>::value)
+void rope_fused_lean_all_heads_kernel(const RopeParams p, const FusionParams f) {
+  static_assert(VECTOR && !WIDE_INDEX, "lean kernels take 16-byte accesses and 32-bit offsets");
+  rope_fused_lean_all_heads_body<T, TableT, INTERLEAVED, SOURCE, CACHE>(p, f);
 }
 
 // The fused ops in the lean layout, one kernel per set of fusions (NORM, CACHE): 4 resident blocks

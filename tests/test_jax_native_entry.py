@@ -23,6 +23,7 @@ from test_kernel_compile import _FRAME_RE, _nvrtc_or_skip  # noqa: E402
 from cupyrope.frontends.jax import native as jax_native  # noqa: E402
 from cupyrope.core.fused_plan import plan_fused  # noqa: E402
 from cupyrope.core.plan import plan_rope  # noqa: E402
+from cupyrope.cuda import launch  # noqa: E402
 
 pytestmark = pytest.mark.nvrtc
 
@@ -50,8 +51,10 @@ def _fused(where, tokens, dtype, scaling=None, rotary_dim=128, weight_dtype="flo
                   positions=((3, tokens) if scaling else (tokens,), "int32"))
     if scaling is None:
         shapes["cos_sin_cache"] = ((MAX_POSITION, rotary_dim), "float32")
-    if where == "rms_norm_rope":
-        shapes.update(q_weight=((128,), weight_dtype), k_weight=((128,), weight_dtype))
+    heads = fusion.get("norm_over") == "all_heads"  # weights of every head
+    if where == "rms_norm_rope" or heads:
+        shapes.update(q_weight=((8 * 128 if heads else 128,), weight_dtype),
+                      k_weight=((2 * 128 if heads else 128,), weight_dtype))
     if where == "rope_and_cache":
         shapes.update(v=((tokens, 2, 128), dtype), k_cache=((16, 8, 2, 128), dtype),
                       v_cache=((16, 8, 2, 128), dtype), slot_mapping=((tokens,), "int32"))
@@ -115,13 +118,29 @@ CASES = {
     "fused_general_partial": (lambda: _fused("rms_norm_rope", 40, "bfloat16", eps=1e-6,
                                              weight_offset=0.0, rotary_dim=96),
                               "rope_fused_kernel"),
+    # The norm over all heads: the lean all-heads kernel (every dim rotated), with the cache
+    # write too; a partial rotation on the general kernel's all-heads variant.
+    "fused_all_heads": (lambda: _fused("rms_norm_rope", 700, "bfloat16", norm=True, eps=1e-6,
+                                       weight_offset=0.0, weight_dtype="bfloat16",
+                                       norm_over="all_heads"),
+                        "rope_fused_lean_all_heads_kernel"),
+    "fused_all_heads_cache": (lambda: _fused("rope_and_cache", 33, "float16", norm=True,
+                                             eps=1e-6, weight_offset=1.0,
+                                             norm_over="all_heads"),
+                              "rope_fused_lean_all_heads_kernel"),
+    "fused_all_heads_partial": (lambda: _fused("rms_norm_rope", 40, "bfloat16", norm=True,
+                                               eps=1e-6, weight_offset=0.0, rotary_dim=64,
+                                               norm_over="all_heads"),
+                                "rope_fused_all_heads_kernel"),
 }
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_native_entry_plans_and_compiles(case, arch):
+def test_native_entry_plans_and_compiles(case, arch, monkeypatch):
     nvrtc = _nvrtc_or_skip()
+    # The lean all-heads kernel is switched off until it has run on a GPU; its entry compiles.
+    monkeypatch.setattr(launch, "LEAN_ALL_HEADS", True)
     build, kernel = CASES[case]
     plan, avals, outs = build()
     native = jax_native.plan_native_launch(plan, outs, tuple(avals), num_regs=lambda spec: 48,

@@ -1,8 +1,9 @@
 """RMSNorm over all heads of a token (``norm_over="all_heads"``: OLMo 2's q_norm / k_norm over
 the whole projection, FlashInfer's ``fused_qk_rmsnorm_rope``) fused with the rotation, the fp8
 stores and the cache write, against the float64 reference on every backend; its gradients; its
-launch (one token a block, every head in it); its refusals. CuPy and torch CUDA run the general
-fused kernel on the GPU (marked gpu)."""
+launch (one token a block, every head in it); its refusals. CuPy and torch CUDA run the lean
+all-heads kernel (the lean layout, every dim rotated) or the general fused kernel on the GPU
+(marked gpu)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,27 @@ def _norm_all_heads64(x, weight, eps, weight_offset=0.0):
     rms = np.sqrt(np.mean(x * x, axis=(-2, -1), keepdims=True) + eps)
     w = np.asarray(weight, dtype=np.float64).reshape(x.shape[-2:])
     return x / rms * (weight_offset + w)
+
+
+@pytest.fixture(params=["general", "lean"])
+def all_heads_kernel(request, monkeypatch):
+    """The kernel of the GPU launches with the norm over all heads in the lean layout: the
+    general fused kernel's all-heads variant (the default), or the lean all-heads kernel
+    (``launch.LEAN_ALL_HEADS`` on). Yields (lean, planned): whether the lean kernel is on, and
+    the list each lean launch planned appends to; launch recipes of the other kernel are
+    forgotten before and after."""
+    from cupyrope import execute
+    from cupyrope.cuda import launch
+
+    lean, planned = request.param == "lean", []
+    if lean:
+        geometry = launch.lean_all_heads_geometry
+        monkeypatch.setattr(launch, "LEAN_ALL_HEADS", True)
+        monkeypatch.setattr(launch, "lean_all_heads_geometry",
+                            lambda *args: planned.append(args) or geometry(*args))
+    execute.clear()
+    yield lean, planned
+    execute.clear()
 
 
 def _fp8_values(backend, x) -> np.ndarray:
@@ -94,6 +116,43 @@ def test_norm_over_all_heads_at_other_sizes(backend, rng, T, Hq, Hk, D, dtype):
         _assert_close(host_values(backend, out), expected, dtype, f"{backend} {name} T={T}")
 
 
+@pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
+@pytest.mark.parametrize("dtype,interleaved,source,weight_offset", [
+    ("bfloat16", False, "cache", 0.0), ("float16", True, "tables_half", 1.0),
+    ("float32", False, "computed", 0.0), ("bfloat16", True, "computed", 1.0),
+    ("float16", False, "tables_full", 0.0)])
+@pytest.mark.parametrize("T,Hq,Hk,weight_dtype", [
+    (1, 32, 8, None),        # decode; 40 heads on 32 rows of 8 lanes: 8 rows take a second
+    (37, 6, 2, "float32"),   # weights of another dtype than q's
+    (300, 64, 64, None),     # 128 heads: 4 a row at 8 lanes, 8 at 16
+    (5, 5, 3, None),         # 8 heads: rows past them
+])
+def test_lean_all_heads_kernel_matches_the_reference(backend, rng, all_heads_kernel, dtype,
+                                                     interleaved, source, weight_offset, T, Hq,
+                                                     Hk, weight_dtype):
+    """The lean layout, every dim rotated, on both kernels: the same results within the
+    tolerance of the float64 reference, out of place and in place."""
+    D = 128
+    positions = rng.integers(0, 4096, T)
+    q, k, wq, wk = _inputs(rng, T, Hq, Hk, D, dtype, weight_dtype=weight_dtype)
+    lib, ref_kw, _ = angle_source(source, (T,), positions, D, interleaved=interleaved)
+    put = {name: backend.put(v) if isinstance(v, np.ndarray) else v for name, v in lib.items()}
+    args = (backend.put(wq), backend.put(wk))
+    options = dict(eps=1e-6, weight_offset=weight_offset, interleaved=interleaved,
+                   norm_over="all_heads", **put)
+    q_dev, k_dev = backend.put(q), backend.put(k)
+    results = cr.rms_norm_rope(q_dev, k_dev, *args, **options)
+    in_place = cr.rms_norm_rope(q_dev, k_dev, *args, inplace=True, **options)
+    for x, w, outs, name in ((q, wq, (results[0], in_place[0]), "q"),
+                             (k, wk, (results[1], in_place[1]), "k")):
+        expected = reference_rope(_norm_all_heads64(x, w, 1e-6, weight_offset),
+                                  interleaved=interleaved, **ref_kw)
+        for out, how in zip(outs, ("out of place", "in place")):
+            _assert_close(host_values(backend, out), expected, dtype, f"{backend} {name} {how}")
+    lean, planned = all_heads_kernel
+    assert len(planned) == (2 if lean else 0)
+
+
 @pytest.mark.parametrize("backend", MUTABLE, indirect=True)
 def test_norm_over_all_heads_in_place_on_fused_qkv_views(backend, rng):
     """vLLM's layout (q and k views of one [T, (Hq + 2 Hk) D] buffer) and an odd head stride
@@ -119,9 +178,11 @@ def test_norm_over_all_heads_in_place_on_fused_qkv_views(backend, rng):
 @pytest.mark.parametrize("backend", GPU_AND_NUMPY, indirect=True)
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("cache_format", ["bfloat16", "float8_e4m3fn", "per_row"])
-def test_rope_and_cache_with_the_norm_over_all_heads(backend, rng, layout, cache_format):
+def test_rope_and_cache_with_the_norm_over_all_heads(backend, rng, layout, cache_format,
+                                                     all_heads_kernel):
     """OLMo 2 serving: the norm over all heads, the rotation and the paged cache write in one
-    launch; fp8 caches with a scale, or a scale per (slot, head) row (the row-scaled kernel)."""
+    launch; fp8 caches with a scale, or a scale per (slot, head) row (the row-scaled kernel);
+    with the lean all-heads kernel switched on too (per-row scales stay on the general one)."""
     T, Hq, Hk, D, block_size, num_blocks = 21, 8, 4, 128, 4, 9
     positions = rng.integers(0, 4096, T)
     cache = cr.cos_sin_cache(4096, D, dtype="float32")
@@ -172,6 +233,26 @@ def test_rope_and_cache_with_the_norm_over_all_heads(backend, rng, layout, cache
         bound = np.abs(expected["k"][written]).max(-1, keepdims=True) * 2.0 ** -7
     err = np.abs(got[slots[written]] - expected["k"][written])
     assert np.all(err <= bound), f"{backend} k cache: max error {err.max():.3g}"
+    # v's rows: as they are (bfloat16), or as fp8 of v / scale
+    got_v = _fp8_values(backend, v_cache).astype(np.float64)
+    if layout == "HND":
+        got_v = got_v.transpose(0, 2, 1, 3)
+    got_v = got_v.reshape(-1, Hk, D)[slots[written]]
+    want_v = v.astype(np.float64)[written]
+    if cache_format == "bfloat16":
+        np.testing.assert_array_equal(got_v, want_v)
+    else:
+        if cache_format == "per_row":
+            v_scales = host_values(backend, scales["v_scale"])
+            v_scales = v_scales if layout == "NHD" else v_scales.transpose(0, 2, 1)
+            got_v = got_v * v_scales.reshape(-1, Hk)[slots[written]][:, :, None]
+            bound_v = np.abs(want_v).max(-1, keepdims=True) * 2.0 ** -3
+        else:
+            got_v = got_v * 0.02
+            bound_v = np.abs(want_v) * 2.0 ** -4 + 0.02 * 2.0 ** -9
+        assert np.all(np.abs(got_v - want_v) <= bound_v), f"{backend} v cache"
+    lean, planned = all_heads_kernel
+    assert len(planned) == (1 if lean and backend.on_gpu and cache_format != "per_row" else 0)
 
 
 @pytest.mark.parametrize("backend", GPU_AND_NUMPY, indirect=True)
@@ -271,17 +352,24 @@ def test_norm_over_all_heads_gradients_in_jax(rng):
 
 
 @pytest.mark.parametrize("T", [1, 300, 70000])
-def test_norm_over_all_heads_takes_one_token_a_block_with_every_head(T):
-    """The launch: the all-heads variant of the general fused kernel (no ring), a token a block
-    and every q, k and v head in it (gridDim.y = 1), whole warps, the weights of every head in
-    shared memory; more than 48 KiB of them for 64 + 64 heads of 128."""
+@pytest.mark.parametrize("rotary,lean", [("full", False), ("full", True), ("half", True)])
+def test_norm_over_all_heads_takes_one_token_a_block_with_every_head(T, rotary, lean,
+                                                                     monkeypatch):
+    """The launch, one token a block. Every dim rotated (the lean layout) with the lean all-heads
+    kernel switched on (launch.LEAN_ALL_HEADS): that kernel, a head a thread row for as many q
+    and k heads as 256 threads hold (whole warps), no shared memory, a block a token. Otherwise,
+    and with half the dims rotated either way: the all-heads variant of the general fused kernel
+    (no ring), every q, k and v head in the block (gridDim.y = 1), whole warps, the weights of
+    every head in shared memory; more than 48 KiB of them for 64 + 64 heads of 128."""
     from cupyrope.core.arrays import describe
     from cupyrope.core.fused_plan import plan_fused
     from cupyrope.cuda import launch
 
+    monkeypatch.setattr(launch, "LEAN_ALL_HEADS", lean)
     for hq, hk, cache in ((32, 8, False), (32, 8, True), (64, 64, False), (5, 3, True),
                           (12, 4, True)):
         D = 128
+        rotary_dim = D if rotary == "full" else D // 2
         q, k = np.zeros((T, hq, D), np.float32), np.zeros((T, hk, D), np.float32)
         fusion = dict(norm=True, q_weight=np.ones(hq * D, np.float32),
                       k_weight=np.ones((hk, D), np.float32), eps=1e-6, norm_over="all_heads")
@@ -289,21 +377,30 @@ def test_norm_over_all_heads_takes_one_token_a_block_with_every_head(T):
             fusion.update(v=np.zeros((T, hk, D), np.float32),
                           k_cache=np.zeros((T, 1, hk, D), np.float32),
                           v_cache=np.zeros((T, 1, hk, D), np.float32), slot_mapping=np.arange(T))
+        rope = dict(cos_sin_cache=np.zeros((70000, rotary_dim), np.float32), inplace=False)
         plan = plan_fused("rope_and_cache" if cache else "rms_norm_rope", q, k, np.arange(T),
-                          validate=False, rope=dict(cos_sin_cache=np.zeros((70000, D), np.float32),
-                                                    inplace=False), fusion=fusion)
+                          validate=False, rope=rope, fusion=fusion)
         outputs = [describe(np.zeros(x.shape, np.float32), name)
                    for x, name in ((q, "q_out"), (k, "k_out"))]
         spec = launch.plan_launch(plan, outputs, num_regs=lambda spec: 128, multiprocessors=132,
                                   angle_arithmetic="float64")
         kernel, (x, y, z), (grid_x, grid_y) = spec.kernel, spec.block, spec.grid
+        if rotary == "full" and lean:
+            assert kernel.fused and kernel.lean and kernel.all_heads and kernel.norm, kernel
+            assert kernel.cache == cache and not (kernel.decode or kernel.rows), kernel
+            assert "rope_fused_lean_all_heads_kernel<" in kernel.name_expression
+            assert x == 16  # float32 NeoX: 64 pairs of 4
+            assert y == min(-(-(hq + hk) // 2) * 2, 256 // x) and z == 1 and (x * y) % 32 == 0
+            assert (grid_x, grid_y) == (T, 1) and spec.shared_bytes == 0
+            continue
         assert kernel.fused and kernel.all_heads and not (kernel.lean or kernel.decode), kernel
         assert "rope_fused_all_heads_kernel<" in kernel.name_expression
         # one wave of blocks at most (128 registers: 2 blocks of 256 threads an SM, 132 SMs)
         wave = launch._resident_blocks(x * y, 128) * 132
         assert z == 1 and grid_y == 1 and grid_x == min(T, wave) and (x * y) % 32 == 0
         assert x * y <= 256
-        assert x == 16  # float32 NeoX: 64 pairs of 4
+        # float32 NeoX: 64 pairs of 4, or with 64 dims rotated 32
+        assert x == (16 if rotary == "full" else 8)
         heads = hq + 2 * hk if cache else hq + hk
         assert -(-heads // y) == -(-heads // min(heads, 256 // x))  # heads spread evenly
         assert int(spec.fusion_params["ring"]) == 0

@@ -55,12 +55,18 @@ class KernelSpec:
     # GLM), likewise a flag of its own.
     partial: bool = False
     # rope_fused_all_heads_kernel: the general fused kernel with the norm over all heads of a
-    # token (norm_over="all_heads"), stores quantised per row or not
+    # token (norm_over="all_heads"), stores quantised per row or not; with lean (and norm, cache
+    # as the launch has them) rope_fused_lean_all_heads_kernel, its lean layout
     all_heads: bool = False
 
     @property
     def name_expression(self) -> str:
         """The instantiation, which is also this specialisation's key in the compiled module."""
+        if self.fused and self.lean and self.all_heads:
+            return (f"cupyrope::rope_fused_lean_all_heads_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
+                    f"{CUDA_TYPE_NAMES[self.table_dtype]}, true, "
+                    f"{str(self.interleaved).lower()}, {int(self.source)}, false, "
+                    f"{str(self.cache).lower()}>")
         kernel = ("rope_fused_decode_kernel" if self.decode and self.fused else
                   "rope_decode_kernel" if self.decode else
                   "rope_fused_lean_kernel" if self.fused and self.lean else
@@ -127,8 +133,11 @@ def _fused_specialisations() -> tuple[KernelSpec, ...]:
     partial = [dataclasses.replace(spec, partial=True) for spec in lean]
     # Stores quantised per row: every layout of the general fused kernel.
     rows = [dataclasses.replace(spec, rows=True) for spec in specs]
-    # The norm over all heads: every layout of the general fused kernel (rows or not).
+    # The norm over all heads: every layout of the general fused kernel (rows or not), and the
+    # lean layout with and without the cache write (launch.fused_lean_all_heads_applies).
     all_heads = [dataclasses.replace(spec, all_heads=True) for spec in specs]
+    all_heads += [dataclasses.replace(spec, all_heads=True, partial=False) for spec in lean
+                  if spec.norm]
     # The fused decode kernels: the lean fused layouts without M-RoPE, few tokens
     # (launch.fused_decode_applies).
     decode = [dataclasses.replace(spec, decode=True) for spec in lean]

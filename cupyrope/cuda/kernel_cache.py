@@ -28,7 +28,7 @@ def compile_cost_rank(spec) -> int:
     if not isinstance(spec, compiler.KernelSpec):
         return 1  # MLA and re-rotation kernels
     if spec.fused:
-        if spec.all_heads:
+        if spec.all_heads and not spec.lean:
             return 5
         if spec.rows:
             return 4

@@ -380,6 +380,15 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
     wide_index = needs_wide_index(plan, outputs)
     pointers = (plan.q.ptr, 0 if k is None else k.ptr, q_out.ptr, 0 if k is None else k_out.ptr,
                 0 if plan.positions is None else plan.positions.ptr, cos_ptr, sin_ptr)
+    if fusion is not None and LEAN_ALL_HEADS and fused_lean_all_heads_applies(
+            plan, vector=vector, wide_index=wide_index, token_ndim=len(shape), pairs=pairs,
+            table_vector_ok=bool(p["table_vector_ok"])):
+        spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
+                          wide_index, lean=True, fused=True, norm=True,
+                          cache=fusion.writes_cache, all_heads=True)
+        block, grid = lean_all_heads_geometry(plan, pairs)
+        return LaunchSpec(spec, p, grid, block, 0, pointers, sin_offset, vector,
+                          fusion_struct(plan, fusion, copy_pass))
     if fusion is not None:
         lean = fused_lean_applies(plan, vector=vector, wide_index=wide_index,
                                   token_ndim=len(shape), pairs=pairs,
@@ -615,6 +624,45 @@ def fused_lean_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_
             # rows, and the norm over all heads: the general kernel
             and not (plan.fusion is not None
                      and (plan.fusion.row_scaled or plan.fusion.all_heads)))
+
+
+# The lean all-heads kernel (kernels_cu/fused_lean.cuh) takes the launches that
+# fused_lean_all_heads_applies admits when this is True. False until it has run on a GPU: its
+# specialisations compile without spills for sm_80 / 90 / 100 / 120, and the GPU tests run it
+# against the float64 reference with this set (tests/test_norm_all_heads.py), but neither they
+# nor a benchmark have run yet; the general fused kernel's all-heads variant takes those launches
+# meanwhile. docs/perf_log.md#the-lean-all-heads-kernel-2026-11-28-not-yet-on-a-gpu
+LEAN_ALL_HEADS = False
+
+
+def fused_lean_all_heads_applies(plan: RopePlan, *, vector: bool, wide_index: bool,
+                                 token_ndim: int, pairs: int, table_vector_ok: bool) -> bool:
+    """Whether the lean all-heads kernel (kernels_cu/fused_lean.cuh:
+    rope_fused_lean_all_heads_kernel) runs a launch with the norm over all heads: the lean layout
+    without M-RoPE, every dim rotated, at most 32 lanes a head, stores quantised per tensor (per
+    row: the general kernel gathers rows) and norm weights that take 16-byte loads (unit stride,
+    16-byte aligned: each head's run then is too, being a whole number of lanes' chunks in)."""
+    fusion = plan.fusion
+    return (fusion.all_heads and not fusion.row_scaled
+            and lean_kernel_applies(plan, vector=vector, wide_index=wide_index,
+                                    token_ndim=token_ndim, table_vector_ok=table_vector_ok)
+            and 0 < plan.rotary_dim == plan.head_dim
+            and (plan.rotary_dim // 2) // pairs <= 32
+            and all(w.ptr % 16 == 0 and w.strides[-1] == 1
+                    for w in (fusion.q_weight, fusion.k_weight)))
+
+
+def lean_all_heads_geometry(plan: RopePlan, pairs: int):
+    """(block, grid) of the lean all-heads kernel: x the lanes of a head (a power of two), y a
+    head a row for every q and k head that fits a block (whole warps; rows past the heads only
+    take part in the sums, heads past the rows are read again by the rows they fall to), one
+    token a block."""
+    chunks = (plan.rotary_dim // 2) // pairs
+    lanes = 1 << (chunks - 1).bit_length()
+    warp_rows = max(1, 32 // lanes)
+    rows = min(plan.num_q_heads + plan.num_k_heads, THREADS_PER_BLOCK // lanes)
+    rows = -(-rows // warp_rows) * warp_rows
+    return (lanes, rows, 1), (min(plan.num_tokens, MAX_GRID_X), 1)
 
 
 def lean_pass_lanes(plan: RopePlan, pairs: int, copy_pass: bool) -> int:

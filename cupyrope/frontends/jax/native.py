@@ -295,6 +295,11 @@ def _body(kernel) -> tuple[str, str]:
         norm, cache = args[6:8]
         return (f"cupyrope::rope_fused_decode_body<{t}, {table}, {interleaved}, {source}, {norm}, "
                 f"{cache}>", threads)
+    if kernel.fused and kernel.lean and kernel.all_heads:
+        cache = args[6]
+        return (f"cupyrope::rope_fused_lean_all_heads_body<{t}, {table}, {interleaved}, {source}, "
+                f"{cache}>",
+                f"{threads}, cupyrope::LeanAllHeadsMinBlocksPerSM<{t}, {interleaved}, {cache}>::value")
     if kernel.fused and kernel.lean:
         norm, cache = args[6:8]
         return (f"cupyrope::rope_fused_lean{template}",
