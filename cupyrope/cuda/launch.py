@@ -648,8 +648,7 @@ def fused_lean_all_heads_applies(plan: RopePlan, *, vector: bool, wide_index: bo
                                     token_ndim=token_ndim, table_vector_ok=table_vector_ok)
             and 0 < plan.rotary_dim == plan.head_dim
             and (plan.rotary_dim // 2) // pairs <= 32
-            and all(w.ptr % 16 == 0 and w.strides[-1] == 1
-                    for w in (fusion.q_weight, fusion.k_weight)))
+            and _norm_weights_vector_ok(fusion))
 
 
 def lean_all_heads_geometry(plan: RopePlan, pairs: int):
@@ -721,9 +720,10 @@ def fused_decode_struct(f: np.ndarray) -> np.ndarray:
 
 
 def _norm_weights_vector_ok(fusion) -> bool:
-    """The lean fused kernel reads each lane's norm weights with 16-byte loads (the general one
-    copies them to shared memory element by element)."""
-    return all(w is None or (w.ptr % 16 == 0 and w.strides[0] == 1)
+    """The lean fused kernels read each lane's norm weights with 16-byte loads (the general one
+    copies them to shared memory element by element): unit stride (the last dim's, for weights
+    of every head), 16-byte aligned."""
+    return all(w is None or (w.ptr % 16 == 0 and w.strides[-1] == 1)
                for w in (fusion.q_weight, fusion.k_weight))
 
 
