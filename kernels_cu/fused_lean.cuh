@@ -527,23 +527,23 @@ __device__ __forceinline__ void rope_fused_lean_body(const RopeParams& p, const 
 // ------------------------------------------------------------------------------------------------
 // The norm over all heads of a token (norm_over="all_heads": OLMo 2, FlashInfer's
 // fused_qk_rmsnorm_rope) in the lean layout with every dim rotated
-// (launch.fused_lean_all_heads_applies): one token a block, a head a thread row (blockDim.y
-// rows: as many as the q and k heads where they fit the block), each lane one chunk of pairs. A
-// thread loads its head's chunk and cos/sin, adds the chunk's squares to the token's q or k sum
+// (launch.fused_lean_all_heads_applies): one token a block, heads on thread rows (blockDim.y
+// rows: enough for every q and k head, LeanAllHeadsHeld a row, where they fit the block), each
+// lane one chunk of pairs. A thread loads its heads' chunks and cos/sin, adds the chunks' squares
+// to the token's q or k sum
 // (block_sums), then normalises (weights from global memory: L1 after the first token), rotates
-// and stores the chunk it still holds, so that the token is read from DRAM once and no shared
+// and stores the chunks it still holds, so that the token is read from DRAM once and no shared
 // copy of the weights is made (the general all-heads kernel filled every head's weights into
-// shared memory and read each head twice: 53-57 % of an SM copy on an H100). Heads past the
-// block's rows are read again for their stores (from L1: the block read them for the sums).
-// 3 resident blocks (80 registers); off Hopper 2 (128) for the 16-bit NeoX cache write, which
-// spilled 16 bytes at 80 on sm_80 and sm_100 (NVRTC 13.5; none on sm_90).
+// shared memory and read each head twice: 53-57 % of an SM copy on an H100). A row holds up to
+// LeanAllHeadsHeld heads, their loads in flight together (one held head a row, the rows past
+// the block's read one after another: 65 % of the copy for 32 + 8 heads on an H100); heads past
+// those are read again for their stores (from L1: the block read them for the sums).
+// 3 resident blocks (80 registers) for interleaved heads without the cache write; otherwise 2
+// (128): the held chunks with the next token's prefetch spilled 8-80 bytes of NeoX and of the
+// 16-bit interleaved cache write at 80 on sm_80 / sm_90 (nvcc 13.0).
 template <typename T, bool INTERLEAVED, bool CACHE>
 struct LeanAllHeadsMinBlocksPerSM {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
-  static constexpr int value = CACHE && !INTERLEAVED && sizeof(T) == 2 ? 2 : 3;
-#else
-  static constexpr int value = 3;
-#endif
+  static constexpr int value = INTERLEAVED && !CACHE ? 3 : 2;
 };
 
 // Head `head` (of q's heads, or of k's) of an all-heads norm weight: `head * head_dim` elements
@@ -561,6 +561,55 @@ __device__ __forceinline__ const void* head_norm_weights(const F& f, bool is_k, 
          static_cast<long long>(head) * head_dim * bytes;
 }
 
+// The heads a thread row holds in registers through the block's sums: heads row, row + rows, ...
+// (launch.lean_all_heads_geometry gives a block rows enough for every head where they fit). Two
+// NeoX chunks or four interleaved ones: 16 registers of q and k either way.
+template <bool INTERLEAVED>
+struct LeanAllHeadsHeld {
+  static constexpr int value = INTERLEAVED ? 4 : 2;
+};
+
+// Loads the chunks of a row's held heads, all issued before any is used.
+template <typename T, typename Index, int H, bool INTERLEAVED>
+__device__ __forceinline__ void load_held_heads(const RopeParams& p, const TokenOffsets<Index>& o,
+                                                LeanChunk<T, INTERLEAVED> (&held)[H], Index row,
+                                                Index rows, Index num_rotated, bool active,
+                                                int pair0, int half) {
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const Index head = row + h * rows;
+    if (active && head < num_rotated) held[h].load(head_rows<T, Index>(p, o, head).in, pair0, half);
+  }
+}
+
+// One head's chunk normalised by its kind's rms, rotated and stored (and its k rows to the
+// cache), the weights those of the head within its projection.
+template <typename T, int P, bool INTERLEAVED, bool CACHE, typename W, typename Index>
+__device__ __forceinline__ void lean_all_heads_store(const RopeParams& p, const FusionParams& f,
+                                                     const TokenOffsets<Index>& o,
+                                                     const SlotRows& slot,
+                                                     const LeanChunk<T, INTERLEAVED>& chunk,
+                                                     Index head, int pair0, int half, float q_rms,
+                                                     float k_rms, const float (&cos_v)[P],
+                                                     const float (&sin_v)[P]) {
+  const bool is_k = head >= static_cast<Index>(p.num_q_heads);
+  const Index kh = head - static_cast<Index>(p.num_q_heads);
+  long long cache_offset = -1;
+  if constexpr (CACHE) {
+    if (is_k && slot.k_base >= 0) {
+      cache_offset = slot.k_base + static_cast<long long>(kh) * f.k_cache_head_stride;
+    }
+  }
+  const int head_dim = static_cast<int>(p.head_dim);
+  lean_rotate_store<T, P, INTERLEAVED, true, CACHE, W>(
+      f, chunk, pair0, half, head_norm_weights<W>(f, is_k, is_k ? kh : head, head_dim),
+      static_cast<float>(f.weight_offset), is_k ? k_rms : q_rms, cos_v, sin_v, is_k,
+      is_k ? p.k_out : p.q_out,
+      is_k ? o.k_out + kh * static_cast<Index>(p.k_out_head_stride)
+           : o.q_out + head * static_cast<Index>(p.q_out_head_stride),
+      cache_offset);
+}
+
 template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool CACHE, typename W>
 __device__ __forceinline__ void rope_fused_lean_all_heads_tokens(const RopeParams& p,
                                                                  const FusionParams& f) {
@@ -568,6 +617,7 @@ __device__ __forceinline__ void rope_fused_lean_all_heads_tokens(const RopeParam
   using L = Layout<T, true, INTERLEAVED>;
   using Chunk = LeanChunk<T, INTERLEAVED>;
   constexpr int P = L::pairs;
+  constexpr int H = LeanAllHeadsHeld<INTERLEAVED>::value;
   __shared__ float scratch[kAllHeadsScratch];  // block_sums: a q and a k sum per warp
 
   wait_for_previous_grid();
@@ -589,10 +639,7 @@ __device__ __forceinline__ void rope_fused_lean_all_heads_tokens(const RopeParam
   // Lanes past the head's chunks (lanes are a power of two) and rows past the heads load and
   // store nothing but take part in the block's sums.
   const bool active = lane < num_chunks;
-  const bool has_head = active && row < num_rotated;
-  const bool is_k = row >= num_q_heads;
   const float eps = static_cast<float>(f.eps);
-  const float weight_offset = static_cast<float>(f.weight_offset);
   const float q_inv_count = 1.0f / static_cast<float>(num_q_heads * head_dim);
   const float k_inv_count = 1.0f / static_cast<float>(num_k_heads * head_dim);
 
@@ -602,11 +649,28 @@ __device__ __forceinline__ void rope_fused_lean_all_heads_tokens(const RopeParam
     const LeanToken t = lean_token<SOURCE, CACHE>(p, f, o, token, active);
     const long long position = t.position;
     const SlotRows slot = t.slot;
-    // The chunk loads beside the position and the angles (computed angles: after them, as in
-    // the lean kernel, so that the chunk is not held through their arithmetic).
-    Chunk chunk;
-    if (SOURCE != kComputedAngles && has_head) {
-      chunk.load(head_rows<T, Index>(p, o, row).in, pair0, half);
+    // The held chunks load beside the position and the angles (computed angles: after them, as
+    // in the lean kernel, so that the chunks are not held through their arithmetic): every load
+    // of the row's held heads in flight at once, none waiting on another's sum.
+    Chunk held[H];
+    if (SOURCE != kComputedAngles) load_held_heads<T, Index>(p, o, held, row, rows, num_rotated,
+                                                             active, pair0, half);
+    // The next token of this block (a persistent grid at large T) into L2 while this one's
+    // loads are in flight: its loads then wait on L2, not DRAM, and the block's barrier and
+    // stores no longer leave the SM without bytes in flight. H100, 32 + 8 heads of 128, T =
+    // 65536: 78 -> 89 % of an SM copy (docs/perf_log.md).
+    {
+      const Index next = token + static_cast<Index>(gridDim.x);
+      if (next < num_tokens) {
+        const TokenOffsets<Index> upcoming = lean_token_offsets(p, next);
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          const Index head = row + h * rows;
+          if (active && head < num_rotated) {
+            held[h].prefetch(head_rows<T, Index>(p, upcoming, head).in, pair0, half);
+          }
+        }
+      }
     }
     float cos_v[P], sin_v[P];
     if (active) {
@@ -615,21 +679,24 @@ __device__ __forceinline__ void rope_fused_lean_all_heads_tokens(const RopeParam
                                            static_cast<Index>(p.sin_col_stride), true, sin_sign,
                                            cos_v, sin_v);
     }
-    if (SOURCE == kComputedAngles && has_head) {
-      chunk.load(head_rows<T, Index>(p, o, row).in, pair0, half);
-    }
-    // The token's sums of squares: the held chunk, then any heads past the block's rows.
+    if (SOURCE == kComputedAngles) load_held_heads<T, Index>(p, o, held, row, rows, num_rotated,
+                                                             active, pair0, half);
+    // The token's sums of squares: the held chunks, then any heads past them (read twice).
     float2 share = make_float2(0.0f, 0.0f);
-    if (has_head) {
-      const float sum = chunk.template sum_of_squares<P>();
-      if (is_k) {
-        share.y = sum;
-      } else {
-        share.x = sum;
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      const Index head = row + h * rows;
+      if (active && head < num_rotated) {
+        const float sum = held[h].template sum_of_squares<P>();
+        if (head >= num_q_heads) {
+          share.y += sum;
+        } else {
+          share.x += sum;
+        }
       }
     }
     if (active) {
-      for (Index head = row + rows; head < num_rotated; head += rows) {
+      for (Index head = row + H * rows; head < num_rotated; head += rows) {
         Chunk other;
         other.load(head_rows<T, Index>(p, o, head).in, pair0, half);
         const float sum = other.template sum_of_squares<P>();
@@ -650,26 +717,22 @@ __device__ __forceinline__ void rope_fused_lean_all_heads_tokens(const RopeParam
     const float2 sums = block_sums(share, scratch);
     const float q_rms = rsqrtf(fmaf(sums.x, q_inv_count, eps));
     const float k_rms = rsqrtf(fmaf(sums.y, k_inv_count, eps));
-    // The stores: the held chunk, then (heads past the block's rows) each further head read
-    // again, after the block's sums: in place, no row is written before every thread read it.
+    // The stores: the held chunks, then each head past them read again, after the block's sums:
+    // in place, no row is written before every thread read it.
     if (active) {
-      for (Index head = row; head < num_rotated; head += rows) {
-        if (head != row) chunk.load(head_rows<T, Index>(p, o, head).in, pair0, half);
-        const bool head_is_k = head >= num_q_heads;
-        const Index kh = head - num_q_heads;
-        long long cache_offset = -1;
-        if constexpr (CACHE) {
-          if (head_is_k && slot.k_base >= 0) {
-            cache_offset = slot.k_base + static_cast<long long>(kh) * f.k_cache_head_stride;
-          }
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        const Index head = row + h * rows;
+        if (head < num_rotated) {
+          lean_all_heads_store<T, P, INTERLEAVED, CACHE, W>(p, f, o, slot, held[h], head, pair0,
+                                                            half, q_rms, k_rms, cos_v, sin_v);
         }
-        lean_rotate_store<T, P, INTERLEAVED, true, CACHE, W>(
-            f, chunk, pair0, half,
-            head_norm_weights<W>(f, head_is_k, head_is_k ? kh : head, head_dim), weight_offset,
-            head_is_k ? k_rms : q_rms, cos_v, sin_v, head_is_k, head_is_k ? p.k_out : p.q_out,
-            head_is_k ? o.k_out + kh * static_cast<Index>(p.k_out_head_stride)
-                      : o.q_out + head * static_cast<Index>(p.q_out_head_stride),
-            cache_offset);
+      }
+      for (Index head = row + H * rows; head < num_rotated; head += rows) {
+        Chunk other;
+        other.load(head_rows<T, Index>(p, o, head).in, pair0, half);
+        lean_all_heads_store<T, P, INTERLEAVED, CACHE, W>(p, f, o, slot, other, head, pair0, half,
+                                                          q_rms, k_rms, cos_v, sin_v);
       }
     }
     if constexpr (CACHE) {

@@ -137,10 +137,8 @@ CASES = {
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_native_entry_plans_and_compiles(case, arch, monkeypatch):
+def test_native_entry_plans_and_compiles(case, arch):
     nvrtc = _nvrtc_or_skip()
-    # The lean all-heads kernel is switched off until it has run on a GPU; its entry compiles.
-    monkeypatch.setattr(launch, "LEAN_ALL_HEADS", True)
     build, kernel = CASES[case]
     plan, avals, outs = build()
     native = jax_native.plan_native_launch(plan, outs, tuple(avals), num_regs=lambda spec: 48,

@@ -32,18 +32,18 @@ def _norm_all_heads64(x, weight, eps, weight_offset=0.0):
 
 @pytest.fixture(params=["general", "lean"])
 def all_heads_kernel(request, monkeypatch):
-    """The kernel of the GPU launches with the norm over all heads in the lean layout: the
-    general fused kernel's all-heads variant (the default), or the lean all-heads kernel
-    (``launch.LEAN_ALL_HEADS`` on). Yields (lean, planned): whether the lean kernel is on, and
+    """The kernel of the GPU launches with the norm over all heads in the lean layout: the lean
+    all-heads kernel (``launch.LEAN_ALL_HEADS``, the default), or the general fused kernel's
+    all-heads variant (switched off). Yields (lean, planned): whether the lean kernel is on, and
     the list each lean launch planned appends to; launch recipes of the other kernel are
     forgotten before and after."""
     from cupyrope import execute
     from cupyrope.cuda import launch
 
     lean, planned = request.param == "lean", []
+    monkeypatch.setattr(launch, "LEAN_ALL_HEADS", lean)
     if lean:
         geometry = launch.lean_all_heads_geometry
-        monkeypatch.setattr(launch, "LEAN_ALL_HEADS", True)
         monkeypatch.setattr(launch, "lean_all_heads_geometry",
                             lambda *args: planned.append(args) or geometry(*args))
     execute.clear()
@@ -122,10 +122,12 @@ def test_norm_over_all_heads_at_other_sizes(backend, rng, T, Hq, Hk, D, dtype):
     ("float32", False, "computed", 0.0), ("bfloat16", True, "computed", 1.0),
     ("float16", False, "tables_full", 0.0)])
 @pytest.mark.parametrize("T,Hq,Hk,weight_dtype", [
-    (1, 32, 8, None),        # decode; 40 heads on 32 rows of 8 lanes: 8 rows take a second
+    (1, 32, 8, None),        # decode; 40 heads held on 20 rows (NeoX) or 10 (interleaved)
     (37, 6, 2, "float32"),   # weights of another dtype than q's
-    (300, 64, 64, None),     # 128 heads: 4 a row at 8 lanes, 8 at 16
+    (300, 64, 64, None),     # 128 heads: 64 held on 32 rows of 8 lanes or 16 of 16, 64 read twice
     (5, 5, 3, None),         # 8 heads: rows past them
+    (3, 25, 8, None),        # 33 heads: rows whose second held head is past the heads
+    (20000, 4, 2, None),     # past 4 waves of blocks of one warp: a persistent grid
 ])
 def test_lean_all_heads_kernel_matches_the_reference(backend, rng, all_heads_kernel, dtype,
                                                      interleaved, source, weight_offset, T, Hq,
@@ -356,8 +358,10 @@ def test_norm_over_all_heads_gradients_in_jax(rng):
 def test_norm_over_all_heads_takes_one_token_a_block_with_every_head(T, rotary, lean,
                                                                      monkeypatch):
     """The launch, one token a block. Every dim rotated (the lean layout) with the lean all-heads
-    kernel switched on (launch.LEAN_ALL_HEADS): that kernel, a head a thread row for as many q
-    and k heads as 256 threads hold (whole warps), no shared memory, a block a token. Otherwise,
+    kernel switched on (launch.LEAN_ALL_HEADS): that kernel, two NeoX heads a thread row held in
+    registers, rows for every q and k head where 256 threads hold them (whole warps), no shared
+    memory, a block a token (past a few waves of blocks a persistent grid, every block the same
+    number of tokens give or take one). Otherwise,
     and with half the dims rotated either way: the all-heads variant of the general fused kernel
     (no ring), every q, k and v head in the block (gridDim.y = 1), whole warps, the weights of
     every head in shared memory; more than 48 KiB of them for 64 + 64 heads of 128."""
@@ -390,8 +394,14 @@ def test_norm_over_all_heads_takes_one_token_a_block_with_every_head(T, rotary, 
             assert kernel.cache == cache and not (kernel.decode or kernel.rows), kernel
             assert "rope_fused_lean_all_heads_kernel<" in kernel.name_expression
             assert x == 16  # float32 NeoX: 64 pairs of 4
-            assert y == min(-(-(hq + hk) // 2) * 2, 256 // x) and z == 1 and (x * y) % 32 == 0
-            assert (grid_x, grid_y) == (T, 1) and spec.shared_bytes == 0
+            rows = min(-(-(hq + hk) // 2), 256 // x)  # two held heads a row
+            assert y == -(-rows // 2) * 2 and z == 1 and (x * y) % 32 == 0
+            wave = launch._resident_blocks(x * y, 128) * 132
+            if T > launch.LEAN_ALL_HEADS_PERSISTENT_WAVES * wave:  # persistent, tokens spread evenly
+                assert grid_x <= wave and -(-T // grid_x) == -(-T // wave), (T, grid_x, wave)
+            else:
+                assert grid_x == T
+            assert grid_y == 1 and spec.shared_bytes == 0
             continue
         assert kernel.fused and kernel.all_heads and not (kernel.lean or kernel.decode), kernel
         assert "rope_fused_all_heads_kernel<" in kernel.name_expression

@@ -386,7 +386,7 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
         spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
                           wide_index, lean=True, fused=True, norm=True,
                           cache=fusion.writes_cache, all_heads=True)
-        block, grid = lean_all_heads_geometry(plan, pairs)
+        block, grid = lean_all_heads_geometry(plan, pairs, num_regs(spec), multiprocessors)
         return LaunchSpec(spec, p, grid, block, 0, pointers, sin_offset, vector,
                           fusion_struct(plan, fusion, copy_pass))
     if fusion is not None:
@@ -627,12 +627,12 @@ def fused_lean_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_
 
 
 # The lean all-heads kernel (kernels_cu/fused_lean.cuh) takes the launches that
-# fused_lean_all_heads_applies admits when this is True. False until it has run on a GPU: its
-# specialisations compile without spills for sm_80 / 90 / 100 / 120, and the GPU tests run it
-# against the float64 reference with this set (tests/test_norm_all_heads.py), but neither they
-# nor a benchmark have run yet; the general fused kernel's all-heads variant takes those launches
-# meanwhile. docs/perf_log.md#the-lean-all-heads-kernel-2026-11-28-not-yet-on-a-gpu
-LEAN_ALL_HEADS = False
+# The lean all-heads kernel takes the launches fused_lean_all_heads_applies admits (False: the
+# general fused kernel's all-heads variant takes them, as before it; the tests run both). H100,
+# bf16 q [T, 32, 128], k [T, 8, 128], µs general -> lean: rms_norm_rope T = 1 6.75 -> 2.9, 512
+# 14.5 -> 6.6, 65536 799 -> 514 (56 -> 89 % of an SM copy; torch.compile 716).
+# docs/perf_log.md#the-lean-all-heads-kernel-on-a-gpu-h100-2026-11-28
+LEAN_ALL_HEADS = True
 
 
 def fused_lean_all_heads_applies(plan: RopePlan, *, vector: bool, wide_index: bool,
@@ -651,17 +651,39 @@ def fused_lean_all_heads_applies(plan: RopePlan, *, vector: bool, wide_index: bo
             and _norm_weights_vector_ok(fusion))
 
 
-def lean_all_heads_geometry(plan: RopePlan, pairs: int):
-    """(block, grid) of the lean all-heads kernel: x the lanes of a head (a power of two), y a
-    head a row for every q and k head that fits a block (whole warps; rows past the heads only
-    take part in the sums, heads past the rows are read again by the rows they fall to), one
-    token a block."""
+# The heads a thread row of the lean all-heads kernel holds in registers through the token's sums
+# (kernels_cu/fused_lean.cuh: LeanAllHeadsHeld): two NeoX chunks or four interleaved ones, 16
+# registers either way. Holding one (a row a head, the heads past the block's rows read one
+# after another) left 32 + 8 heads at 65 % of an SM copy on an H100.
+LEAN_ALL_HEADS_HELD = {False: 2, True: 4}  # by plan.interleaved
+
+
+# Past this many waves of resident blocks the lean all-heads kernel's grid is persistent: each
+# block then prefetches its next token into L2 while the loads of this one are in flight. Below,
+# one token a block: at T = 512 a persistent grid of 396 blocks (two tokens for some) made
+# 32 + 8 heads 6.6 -> 8.7 µs on an H100.
+LEAN_ALL_HEADS_PERSISTENT_WAVES = 4
+
+
+def lean_all_heads_geometry(plan: RopePlan, pairs: int, num_regs: int, multiprocessors: int):
+    """(block, grid) of the lean all-heads kernel: x the lanes of a head (a power of two), y the
+    rows that hold every q and k head, LEAN_ALL_HEADS_HELD a row, where they fit a block (whole
+    warps; rows past the heads only take part in the sums, heads past the rows' held ones are read
+    again by the rows they fall to). One token a block up to LEAN_ALL_HEADS_PERSISTENT_WAVES
+    waves of resident blocks; past that a persistent grid with the tokens spread evenly (every
+    block the same number, give or take one)."""
     chunks = (plan.rotary_dim // 2) // pairs
     lanes = 1 << (chunks - 1).bit_length()
     warp_rows = max(1, 32 // lanes)
-    rows = min(plan.num_q_heads + plan.num_k_heads, THREADS_PER_BLOCK // lanes)
+    held = LEAN_ALL_HEADS_HELD[plan.interleaved]
+    heads = plan.num_q_heads + plan.num_k_heads
+    rows = min(-(-heads // held), THREADS_PER_BLOCK // lanes)
     rows = -(-rows // warp_rows) * warp_rows
-    return (lanes, rows, 1), (min(plan.num_tokens, MAX_GRID_X), 1)
+    wave = _resident_blocks(lanes * rows, num_regs) * multiprocessors
+    tokens = plan.num_tokens
+    if tokens > LEAN_ALL_HEADS_PERSISTENT_WAVES * wave:
+        tokens = -(-tokens // -(-tokens // wave))  # ceil(T / ceil(T / wave)) blocks
+    return (lanes, rows, 1), (min(tokens, MAX_GRID_X), 1)
 
 
 def lean_pass_lanes(plan: RopePlan, pairs: int, copy_pass: bool) -> int:
