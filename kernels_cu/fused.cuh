@@ -762,12 +762,10 @@ __device__ __forceinline__ void prefetch_token(const RopeParams& p, const TokenO
     const T* in = head_rows<T, Index>(p, o, head).in;
     for (Index lane = tid_x(); lane < num_chunks; lane += ntid_x()) {
       const Index pair0 = lane * P;
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(in + (INTERLEAVED ? 2 * pair0 : pair0)));
-      if constexpr (!INTERLEAVED) asm volatile("prefetch.global.L2 [%0];" ::"l"(in + half + pair0));
+      prefetch_l2(in + (INTERLEAVED ? 2 * pair0 : pair0));
+      if constexpr (!INTERLEAVED) prefetch_l2(in + half + pair0);
     }
-    for (Index c = tid_x(); c < pass_chunks; c += ntid_x()) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(in + rotary_dim + c * A));
-    }
+    for (Index c = tid_x(); c < pass_chunks; c += ntid_x()) prefetch_l2(in + rotary_dim + c * A);
   }
 }
 

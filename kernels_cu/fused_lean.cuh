@@ -115,10 +115,10 @@ struct LeanChunk {
   // A hint to bring the chunk into L2 (no registers, no wait): the head it is for loads later.
   __device__ __forceinline__ void prefetch(const T* in, int pair0, int half) const {
     if constexpr (INTERLEAVED) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(in + 2 * pair0));
+      prefetch_l2(in + 2 * pair0);
     } else {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(in + pair0));
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(in + half + pair0));
+      prefetch_l2(in + pair0);
+      prefetch_l2(in + half + pair0);
     }
   }
 
