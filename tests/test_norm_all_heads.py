@@ -418,6 +418,40 @@ def test_norm_over_all_heads_takes_one_token_a_block_with_every_head(T, rotary, 
         assert int(spec.fusion_params["q_weight_stride"]) == 1
 
 
+@pytest.mark.parametrize("interleaved,pairs,hq,hk,block", [
+    (False, 8, 32, 8, (8, 20, 1)),    # bf16 NeoX heads of 128: two held a row, 20 rows
+    (True, 4, 32, 8, (16, 10, 1)),    # bf16 interleaved: four held a row, 10 rows
+    (False, 8, 64, 64, (8, 32, 1)),   # 128 heads: 256 threads hold 64, the rest read twice
+    (True, 4, 5, 3, (16, 2, 1)),      # 8 heads: two rows, whole warps
+    (False, 4, 25, 8, (16, 16, 1)),   # float32 NeoX, 33 heads: 16 rows hold 32, one read twice
+])
+def test_lean_all_heads_geometry_holds_every_head_and_spreads_tokens(interleaved, pairs, hq, hk,
+                                                                     block):
+    """lean_all_heads_geometry: rows for every head, LEAN_ALL_HEADS_HELD a row (up to 256
+    threads, whole warps); one token a block up to LEAN_ALL_HEADS_PERSISTENT_WAVES waves of
+    resident blocks, past that a persistent grid of at most one wave whose blocks take the
+    same number of tokens, give or take one."""
+    from types import SimpleNamespace
+
+    from cupyrope.cuda import launch
+
+    assert launch.LEAN_ALL_HEADS_HELD == {False: 2, True: 4}
+    D = 128
+    for T in (1, 300, 2000, 5000, 70001, 1 << 20):
+        plan = SimpleNamespace(rotary_dim=D, head_dim=D, interleaved=interleaved,
+                               num_q_heads=hq, num_k_heads=hk, num_tokens=T)
+        got_block, (grid_x, grid_y) = launch.lean_all_heads_geometry(plan, pairs, 96, 132)
+        assert got_block == block and grid_y == 1
+        wave = launch._resident_blocks(block[0] * block[1], 96) * 132
+        if T <= launch.LEAN_ALL_HEADS_PERSISTENT_WAVES * wave:
+            assert grid_x == T
+            continue
+        assert grid_x <= wave, (T, grid_x, wave)
+        per_block = -(-T // grid_x)
+        assert per_block == -(-T // wave)  # no more tokens a block than a full wave needs
+        assert (per_block - 1) * grid_x < T  # every block has at least per_block - 1
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"norm_over": "token"}, ValueError, r"norm_over must be one of \('head', 'all_heads'\)"),
     ({"norm_over": None}, ValueError, "norm_over must be one of"),
