@@ -210,7 +210,7 @@ def rotation_calls(device="cuda", batch: int = HOST_BATCH, width=WIDTH):
     """impl -> a no-argument call on decode-sized q ``[B, 1, 32, 128]`` and k ``[B, 1, 8, 128]``
     bfloat16 with Hugging Face's ``[B, 1, 128]`` bfloat16 tables, each as its caller makes it:
     the rotation a patched layer calls (``patched-layer``: Llama's; ``patched-layer-qk-norm``:
-    Qwen3's fused one), the function-level adapter, Hugging Face's own function, cupyrope's ops
+    Qwen3's fused one; in place under no_grad, as in a patched layer), the function-level adapter, Hugging Face's own function, cupyrope's ops
     called directly; and whole one-token attention layers (B of them) at the models' width,
     unpatched and patched."""
     import torch
@@ -233,7 +233,6 @@ def rotation_calls(device="cuda", batch: int = HOST_BATCH, width=WIDTH):
     calls = {
         "apply_rope-inplace": lambda: cr.apply_rope(q, k, cos=cos, sin=sin, inplace=True),
         "apply_rope": lambda: cr.apply_rope(q, k, cos=cos, sin=sin),
-        "patched-layer": lambda: hf._rotate_heads_last(None, q, k, cos, sin),
         "hf_apply_rotary_pos_emb": lambda: hf.hf_apply_rotary_pos_emb(q_heads_first,
                                                                       k_heads_first, cos, sin),
         "transformers": lambda: modeling_llama.apply_rotary_pos_emb(q_heads_first, k_heads_first,
@@ -256,8 +255,19 @@ def rotation_calls(device="cuda", batch: int = HOST_BATCH, width=WIDTH):
 
         calls[f"{family}-attention"] = attention
         calls[f"{family}-attention-patched"] = attention_patched
+        # What a patched layer's forward calls, with the layer (its q_proj and k_proj are plain
+        # nn.Linear: under no_grad the projections are rotated where they are).
+        projections = ("q_proj", "k_proj")
+        if family == "llama":
+            rotate = hf._heads_last_rotation(hf.hf_apply_rotary_pos_emb, projections)
+
+            def plain(rotate=rotate, layer=layer):
+                return rotate(layer, q, k, cos, sin)
+
+            calls["patched-layer"] = plain
         if ops == {"rms_norm_rope"} and family == "qwen3":  # per-head norms
-            rotate = hf._norm_rotation("q_norm", "k_norm", False, hf.hf_apply_rotary_pos_emb)
+            rotate = hf._norm_rotation("q_norm", "k_norm", False, hf.hf_apply_rotary_pos_emb,
+                                       False, projections)
 
             def fused(rotate=rotate, layer=layer):
                 return rotate(layer, q, k, cos, sin)

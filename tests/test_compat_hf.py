@@ -108,14 +108,17 @@ def assert_no_worse(got, unpatched, exact, dtype, what):
 @pytest.fixture
 def spy(monkeypatch):
     """Calls of ``apply_rope`` and ``rms_norm_rope`` made by cupyrope.compat.hf (arguments and
-    results), from the moment it is read."""
+    results), from the moment it is read. q and k (the first two arguments) are recorded as they
+    were before the call: an in-place call writes its results into them."""
     calls = {"apply_rope": [], "rms_norm_rope": []}
     for name in calls:
         real = getattr(compat.hf, name)
 
         def recording(*args, _name=name, _real=real, **kwargs):
+            before = tuple(a.detach().clone() if i < 2 and kwargs.get("inplace") else a
+                           for i, a in enumerate(args))
             result = _real(*args, **kwargs)
-            calls[_name].append((args, kwargs, result))
+            calls[_name].append((before, kwargs, result))
             return result
 
         monkeypatch.setattr(compat.hf, name, recording)
@@ -333,6 +336,80 @@ def test_hooks_on_the_norms_run(family, spy):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+REWRITTEN = [family for family, spec in FAMILIES.items() if spec[3] is not None]
+
+
+def _in_place_flags(spy, op):
+    return [kwargs.get("inplace", False) for _, kwargs, _ in spy[op]]
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("family", REWRITTEN)
+def test_inference_rotates_the_projections_where_they_are(family, mode, spy):
+    """Outside autograd each rewritten layer's one launch (the fused op's too) writes into its
+    q and k projections, outputs of plain nn.Linear calls that nothing else holds, with the
+    logits of the out-of-place calls; with grad enabled the calls make new arrays."""
+    model, ids, op = tiny_model(family), input_ids(), FAMILIES[family][3]
+    context = getattr(torch, mode)
+    with context():
+        expected = model(ids).logits
+    with compat.patch_hf_model(model):
+        spy[op].clear()
+        with context():
+            got = model(ids).logits
+        assert _in_place_flags(spy, op) == [True] * LAYERS
+        spy[op].clear()
+        with_grad = model(ids).logits
+        assert _in_place_flags(spy, op) == [False] * LAYERS
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(with_grad.detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2"])
+def test_a_hook_on_a_projection_keeps_its_output_as_it_was(family, spy):
+    """A forward hook on a layer's k_proj (which may keep the output, as this one does) makes
+    that layer's rotation write new arrays; the kept output is the projection, unrotated."""
+    model, ids, op = tiny_model(family), input_ids(), FAMILIES[family][3]
+    first = model.model.layers[0].self_attn
+    kept = []
+    with torch.no_grad():
+        expected = model(ids).logits
+    with compat.patch_hf_model(model), torch.no_grad():
+        handle = first.k_proj.register_forward_hook(
+            lambda module, args, output: kept.append((args[0], output, output.clone())))
+        spy[op].clear()
+        got = model(ids).logits
+        handle.remove()
+        assert _in_place_flags(spy, op) == [False] + [True] * (LAYERS - 1)
+    (hidden, output, copy_at_hook), = kept
+    assert torch.equal(output, copy_at_hook)
+    torch.testing.assert_close(output, torch.nn.functional.linear(hidden, first.k_proj.weight,
+                                                                  first.k_proj.bias))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_projection_of_another_class_is_rotated_into_new_arrays(spy):
+    """A q_proj that is not an nn.Linear running Linear.forward (here one that returns its
+    input's view: in place would write into the hidden states) gets new arrays."""
+    class Passthrough(torch.nn.Linear):
+        def forward(self, x):
+            return x[..., :self.out_features]
+
+    # not this test module's: its apply_rotary_pos_emb samples would be patched too
+    Passthrough.__module__ = "passthrough_projection"
+
+    model, ids = tiny_model("llama"), input_ids()
+    first = model.model.layers[0].self_attn
+    first.q_proj = Passthrough(first.q_proj.in_features, first.q_proj.out_features)
+    with torch.no_grad():
+        expected = model(ids).logits
+    with compat.patch_hf_model(model), torch.no_grad():
+        spy["apply_rope"].clear()
+        got = model(ids).logits
+        assert _in_place_flags(spy, "apply_rope") == [False] + [True] * (LAYERS - 1)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # Restoring
 
@@ -446,6 +523,30 @@ class NormsOnOneProjection(_Heads):
         return query_states, key_states
 
 
+class PlainStyle(_Heads):
+    """Llama's: no norms."""
+
+    def forward(self, hidden_states, position_embeddings):
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return query_states, key_states
+
+
+class ScaledProjection(_Heads):
+    """q is a view of an expression of the projection, not of the call's output."""
+
+    def forward(self, hidden_states, position_embeddings):
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query_states = (self.q_proj(hidden_states) * 2).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).reshape(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return query_states, key_states
+
+
 class ReadsQBetween(_Heads):
     def forward(self, hidden_states, position_embeddings):
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
@@ -545,6 +646,22 @@ def test_forward_reader_knows_norms_over_the_whole_projection():
     mixed = hf_attention.attention_form(NormsOnOneProjection.forward)
     assert mixed.q.norm_at == "projection" and mixed.k.norm_at == "definition"
     assert not mixed.can_fuse
+
+
+def test_forward_reader_names_the_projections_q_and_k_are_views_of():
+    """AttentionForm.projections: the attributes whose calls' outputs reach the rewritten
+    rotation as views (``.view`` / ``.reshape``), or None where anything else does: a norm that
+    stays the layer's own (unfused), an expression of the output."""
+    read = hf_attention.attention_form
+    both = ("q_proj", "k_proj")
+    assert read(PlainStyle.forward).projections(False) == both
+    for cls in (QwenStyle, GemmaStyle, OlmoStyle):
+        assert read(cls.forward).projections(True) == both, cls.__name__
+        assert read(cls.forward).projections(False) is None, cls.__name__
+    assert read(NormsOnOneProjection.forward).projections(False) is None
+    scaled = read(ScaledProjection.forward)
+    assert scaled is not None and scaled.projections(False) is None
+    assert scaled._projection(scaled.k, False) == "k_proj"  # reshape, like view
 
 
 @pytest.mark.parametrize("cls", [ReadsQBetween, OtherTranspose, RotatesTwice, KeywordCall,

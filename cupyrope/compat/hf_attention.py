@@ -93,6 +93,37 @@ class AttentionForm:
         return (self.q.norm is not None and self.k.norm is not None
                 and place(self.q) == place(self.k))
 
+    def projections(self, fused: bool) -> tuple[str, str] | None:
+        """The attributes of ``self`` whose calls' outputs q and k are views of when they reach
+        the rotation of :meth:`build`'s forward (``fused`` as there): ``self.<proj>(x).view(...)``
+        (or ``.reshape``), or ``y = self.<proj>(x)`` then ``y.view(...)`` where the fused build
+        drops the norm around the call (OLMo 2); None when either is anything else (a norm that
+        stays the layer's own, another expression). cupyrope.compat.hf rotates such outputs where
+        they are when the call is known to return a new tensor that nothing else holds."""
+        names = tuple(self._projection(heads, fused) for heads in (self.q, self.k))
+        return None if None in names else names
+
+    def _projection(self, heads: HeadsFirst, fused: bool) -> str | None:
+        body = self.tree.body
+        self_name = self.tree.args.args[0].arg
+        inner = body[heads.index].value.func.value  # <inner>.transpose(1, 2)
+        if heads.norm is not None and not fused:
+            return None  # the output of the layer's own norm reaches the rotation
+        if heads.norm_at == "definition":
+            inner = inner.args[0]  # self.norm(x) -> x
+        if not (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)
+                and inner.func.attr in ("view", "reshape")):
+            return None
+        source = inner.func.value
+        if fused and heads.norm_at == "projection":
+            statement = body[heads.projection_index]  # y = self.norm(self.<proj>(x))
+            name = statement.targets[0].id
+            if not (isinstance(source, ast.Name) and source.id == name) or any(
+                    _mentions(s, name) for s in body[heads.projection_index + 1:heads.index]):
+                return None
+            return _self_call(statement.value.args[0], self_name)
+        return _self_call(source, self_name)
+
     def build(self, rotate, *, fused: bool) -> types.FunctionType:
         """A copy of the forward whose rotation statement is ``q, k = rotate(self, q, k, cos,
         sin)``: q and k are the ``[B, S, H, D]`` projections (not transposed) and ``rotate``
