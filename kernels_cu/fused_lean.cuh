@@ -527,17 +527,16 @@ __device__ __forceinline__ void rope_fused_lean_body(const RopeParams& p, const 
 // ------------------------------------------------------------------------------------------------
 // The norm over all heads of a token (norm_over="all_heads": OLMo 2, FlashInfer's
 // fused_qk_rmsnorm_rope) in the lean layout with every dim rotated
-// (launch.fused_lean_all_heads_applies): one token a block, heads on thread rows (blockDim.y
-// rows: enough for every q and k head, LeanAllHeadsHeld a row, where they fit the block), each
-// lane one chunk of pairs. A thread loads its heads' chunks and cos/sin, adds the chunks' squares
-// to the token's q or k sum
-// (block_sums), then normalises (weights from global memory: L1 after the first token), rotates
-// and stores the chunks it still holds, so that the token is read from DRAM once and no shared
-// copy of the weights is made (the general all-heads kernel filled every head's weights into
-// shared memory and read each head twice: 53-57 % of an SM copy on an H100). A row holds up to
-// LeanAllHeadsHeld heads, their loads in flight together (one held head a row, the rows past
-// the block's read one after another: 65 % of the copy for 32 + 8 heads on an H100); heads past
-// those are read again for their stores (from L1: the block read them for the sums).
+// (launch.fused_lean_all_heads_applies): one token a block, heads on thread rows (blockDim.y rows:
+// enough for every q and k head, LeanAllHeadsHeld a row, where they fit the block), each lane one
+// chunk of pairs. A thread loads its heads' chunks and cos/sin, adds the chunks' squares to the
+// token's q or k sum (block_sums), then normalises (weights from global memory: L1 after the first
+// token), rotates and stores the chunks it still holds, so that the token is read from DRAM once
+// and no shared copy of the weights is made (the general all-heads kernel filled every head's
+// weights into shared memory and read each head twice: 53-57 % of an SM copy on an H100). A row
+// holds up to LeanAllHeadsHeld heads, their loads in flight together (one held head a row, the rows
+// past the block's read one after another: 65 % of the copy for 32 + 8 heads on an H100); heads
+// past those are read again for their stores (from L1: the block read them for the sums).
 // 3 resident blocks (80 registers) for interleaved heads without the cache write; otherwise 2
 // (128): the held chunks with the next token's prefetch spilled 8-80 bytes of NeoX and of the
 // 16-bit interleaved cache write at 80 on sm_80 / sm_90 (nvcc 13.0).

@@ -627,10 +627,10 @@ def fused_lean_applies(plan: RopePlan, *, vector: bool, wide_index: bool, token_
 
 
 # The lean all-heads kernel (kernels_cu/fused_lean.cuh) takes the launches that
-# The lean all-heads kernel takes the launches fused_lean_all_heads_applies admits (False: the
-# general fused kernel's all-heads variant takes them, as before it; the tests run both). H100,
-# bf16 q [T, 32, 128], k [T, 8, 128], µs general -> lean: rms_norm_rope T = 1 6.75 -> 2.9, 512
-# 14.5 -> 6.6, 65536 799 -> 514 (56 -> 89 % of an SM copy; torch.compile 716).
+# fused_lean_all_heads_applies admits (False: the general fused kernel's all-heads variant takes
+# them, as before it; the tests run both). H100, bf16 q [T, 32, 128], k [T, 8, 128], µs general
+# -> lean: rms_norm_rope T = 1 6.75 -> 2.9, 512 14.5 -> 6.6, 65536 799 -> 514 (56 -> 89 % of an
+# SM copy; torch.compile 716).
 # docs/perf_log.md#the-lean-all-heads-kernel-on-a-gpu-h100-2026-11-28
 LEAN_ALL_HEADS = True
 
