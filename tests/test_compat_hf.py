@@ -523,18 +523,6 @@ class NormsOnOneProjection(_Heads):
         return query_states, key_states
 
 
-class PlainStyle(_Heads):
-    """Llama's: no norms."""
-
-    def forward(self, hidden_states, position_embeddings):
-        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        return query_states, key_states
-
-
 class ScaledProjection(_Heads):
     """q is a view of an expression of the projection, not of the call's output."""
 
@@ -652,9 +640,11 @@ def test_forward_reader_names_the_projections_q_and_k_are_views_of():
     """AttentionForm.projections: the attributes whose calls' outputs reach the rewritten
     rotation as views (``.view`` / ``.reshape``), or None where anything else does: a norm that
     stays the layer's own (unfused), an expression of the output."""
+    from transformers.models.llama import modeling_llama
+
     read = hf_attention.attention_form
     both = ("q_proj", "k_proj")
-    assert read(PlainStyle.forward).projections(False) == both
+    assert read(modeling_llama.LlamaAttention.forward).projections(False) == both
     for cls in (QwenStyle, GemmaStyle, OlmoStyle):
         assert read(cls.forward).projections(True) == both, cls.__name__
         assert read(cls.forward).projections(False) is None, cls.__name__
