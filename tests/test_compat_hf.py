@@ -740,9 +740,10 @@ def test_gpu_bfloat16_models_match_unpatched(family, spy):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2"])
-def test_gpu_decode_steps_with_a_kv_cache(family):
-    """Greedy decoding under inference_mode (the repeat-call path from the second step on):
-    the patched model's logits at every step within bfloat16 rounding of the unpatched ones."""
+def test_gpu_decode_steps_with_a_kv_cache(family, spy):
+    """Greedy decoding under inference_mode (the repeat-call path from the second step on, each
+    layer's launch in place on its projections): the patched model's logits at every step within
+    bfloat16 rounding of the unpatched ones."""
     device = _cuda()
     model = tiny_model(family, torch.bfloat16).to(device).eval()
     prompt = input_ids(4, 7).to(device)
@@ -760,8 +761,11 @@ def test_gpu_decode_steps_with_a_kv_cache(family):
         return logits, chosen
 
     expected, tokens = decode()
+    op = FAMILIES[family][3]
     with compat.patch_hf_model(model):
+        spy[op].clear()
         got, _ = decode(tokens)  # the same tokens: a near tie cannot fork the two runs
+        assert _in_place_flags(spy, op) == [True] * (4 * LAYERS)
     for g, e in zip(got, expected):
         scale = e.abs().max()
         assert (g - e).abs().max() <= 16 * unit_roundoff("bfloat16") * scale
