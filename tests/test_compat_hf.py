@@ -388,15 +388,17 @@ def test_a_hook_on_a_projection_keeps_its_output_as_it_was(family, spy):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_projection_of_another_class_is_rotated_into_new_arrays(spy):
-    """A q_proj that is not an nn.Linear running Linear.forward (here one that returns its
-    input's view: in place would write into the hidden states) gets new arrays."""
-    class Passthrough(torch.nn.Linear):
-        def forward(self, x):
-            return x[..., :self.out_features]
+@pytest.mark.parametrize("method", ["forward", "__call__"])
+def test_a_projection_of_another_class_is_rotated_into_new_arrays(method, spy):
+    """A q_proj that is not an nn.Linear running Linear.forward through nn.Module's call (here
+    one whose forward, or __call__, returns a view of its input: in place would write into the
+    hidden states) gets new arrays."""
+    def passthrough(self, x):
+        return x[..., :self.out_features]
 
     # not this test module's: its apply_rotary_pos_emb samples would be patched too
-    Passthrough.__module__ = "passthrough_projection"
+    Passthrough = type("Passthrough", (torch.nn.Linear,),
+                       {method: passthrough, "__module__": "passthrough_projection"})
 
     model, ids = tiny_model("llama"), input_ids()
     first = model.model.layers[0].self_attn

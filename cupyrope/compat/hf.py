@@ -307,6 +307,7 @@ _MODULE_HOOKS = torch.nn.modules.module  # the global hook registries live there
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
 _LINEAR_FORWARD = torch.nn.Linear.forward
+_MODULE_CALL = torch.nn.Module.__call__
 
 
 def _runs_plainly(module) -> bool:
@@ -322,10 +323,11 @@ def _owned_projections(attention, projections, q, k) -> bool:
     """Whether a rewritten forward's rotation may write q and k where they are: outside autograd
     and compilation, plain tensors that are views of the outputs of ``attention``'s
     ``projections`` (q's and k's attributes, as AttentionForm.projections reads them from the
-    forward), each module an ``nn.Linear`` whose call runs nothing but ``Linear.forward`` (no
-    hooks, which could keep the output): F.linear returns a new tensor that only this forward
-    holds. Saves the outputs' allocations: a decode step's rotation then costs the host time of
-    ``apply_rope`` in place, not out of place (H100: 12.7 against 18.7 µs; docs/training.md)."""
+    forward), each module an ``nn.Linear`` whose call runs nothing but ``Linear.forward``
+    (nn.Module's ``__call__``, no hooks, which could keep the output): F.linear returns a new
+    tensor that only this forward holds. Saves the outputs' allocations: a decode step's rotation
+    then costs the host time of ``apply_rope`` in place, not out of place (H100: 12.7 against
+    18.7 µs; docs/training.md)."""
     if projections is None or _grad_enabled() or _compiling():
         return False
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor:
@@ -333,8 +335,9 @@ def _owned_projections(attention, projections, q, k) -> bool:
     submodules = attention._modules
     for attr in projections:
         module = submodules.get(attr)
-        if (module is None or type(module).forward is not _LINEAR_FORWARD
-                or not _runs_plainly(module)):
+        cls = type(module)
+        if (module is None or cls.forward is not _LINEAR_FORWARD
+                or cls.__call__ is not _MODULE_CALL or not _runs_plainly(module)):
             return False
     return True
 
