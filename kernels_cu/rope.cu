@@ -257,10 +257,10 @@ void rope_fused_all_heads_kernel(const RopeParams p, const FusionParams f) {
   rope_fused_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, true, true>(p, f);
 }
 
-// The norm over all heads in the lean layout with every dim rotated (fused_lean.cuh): a head a
-// thread row, every q and k head of a token in one block (rows taking a second head read it
-// again, from L1). 3 resident blocks (80 registers; fused_lean.cuh: LeanAllHeadsMinBlocksPerSM):
-// at 64 the 16-bit NeoX kernels spilled 16-136 bytes on sm_90. CACHE: the k and v cache write.
+// The norm over all heads in the lean layout with every dim rotated (fused_lean.cuh): every q and
+// k head of a token in one block, LeanAllHeadsHeld of them a thread row held in registers (heads
+// past those read again, from L1). Resident blocks: fused_lean.cuh, LeanAllHeadsMinBlocksPerSM.
+// CACHE: the k and v cache write.
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
           bool CACHE>
 __global__ __launch_bounds__(kMaxThreadsPerBlock,
