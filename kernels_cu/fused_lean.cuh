@@ -563,9 +563,12 @@ __device__ __forceinline__ const void* head_norm_weights(const F& f, bool is_k, 
 // The heads a thread row holds in registers through the block's sums: heads row, row + rows, ...
 // (launch.lean_all_heads_geometry gives a block rows enough for every head where they fit). Two
 // NeoX chunks or four interleaved ones: 16 registers of q and k either way.
+#ifndef CUPYROPE_ALL_HEADS_HELD_NEOX
+#define CUPYROPE_ALL_HEADS_HELD_NEOX 2
+#endif
 template <bool INTERLEAVED>
 struct LeanAllHeadsHeld {
-  static constexpr int value = INTERLEAVED ? 4 : 2;
+  static constexpr int value = INTERLEAVED ? 4 : CUPYROPE_ALL_HEADS_HELD_NEOX;
 };
 
 // Loads the chunks of a row's held heads, all issued before any is used.

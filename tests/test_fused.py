@@ -183,10 +183,23 @@ def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kern
 @pytest.mark.parametrize("dtype,interleaved", [("bfloat16", False), ("float16", True),
                                                ("float32", False)])
 @pytest.mark.parametrize("inplace,norm", [(False, True), (True, True), (True, False)])
-def test_rope_and_cache_many_tokens(backend, rng, dtype, interleaved, inplace, norm):
-    """Past FUSED_RING_MIN_TOKENS (launch.py) the norm and the cache write run through the
-    kernel's shared-memory ring of heads in flight: odd T, heads that do not divide the block."""
+def test_rope_and_cache_many_tokens(backend, rng, monkeypatch, dtype, interleaved, inplace, norm):
+    """Many tokens: odd T, heads that do not divide the block; with the norm the lean kernel
+    loops over its tokens on a persistent grid (launch.FUSED_LEAN_PERSISTENT_WAVES)."""
+    from cupyrope.cuda import launch
+
     T, Hq, Hk, D = 4099, 5, 3, 128
+    launches = []
+    plan_launch = launch.plan_launch
+
+    def recording(*args, **kwargs):
+        launches.append(plan_launch(*args, **kwargs))
+        return launches[-1]
+
+    monkeypatch.setattr(launch, "plan_launch", recording)
+    from cupyrope import execute
+
+    execute.clear()
     positions = rng.integers(0, 8192, T)
     cache = cr.cos_sin_cache(8192, D, dtype="float32")
     q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
@@ -219,6 +232,11 @@ def test_rope_and_cache_many_tokens(backend, rng, dtype, interleaved, inplace, n
     unwritten = np.ones(got_v.shape[0], bool)
     unwritten[slots[rows]] = False
     assert not got_k[unwritten].any() and not got_v[unwritten].any()
+    if backend.name != "numpy":
+        (spec,) = launches
+        assert spec.kernel.lean and spec.kernel.cache and spec.kernel.norm == norm
+        tokens_per_launch = spec.grid[0] * spec.block[2]
+        assert (tokens_per_launch < T) == norm, (spec.grid, spec.block)
 
 
 @pytest.mark.parametrize("backend", MUTABLE, indirect=True)

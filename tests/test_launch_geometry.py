@@ -297,3 +297,35 @@ def test_fused_decode_kernel_needs_a_power_of_two_of_chunks_and_no_mrope():
                                cos_sin_cache=np.zeros((4096, 128), np.float32),
                                scaling={"rope_type": "default", "mrope_section": [16, 24, 24]})
     assert plan.mrope_mode and spec.kernel.lean and spec.kernel.mrope and not spec.kernel.decode
+
+
+@pytest.mark.parametrize("T", [4096, 16384, 65536, 200000])
+def test_lean_norm_and_cache_write_runs_on_a_persistent_grid(T):
+    """The lean kernel with the norm and the cache write loops over its tokens on one wave of
+    resident blocks (FUSED_LEAN_PERSISTENT_WAVES), the tokens spread evenly; the norm alone and
+    the cache write alone keep one block per token group."""
+    spec, _ = _fused_launch("norm+cache", T)
+    assert spec.kernel.lean and spec.kernel.norm and spec.kernel.cache and not spec.kernel.decode
+    (lanes, rows, tokens), (grid_x, grid_y) = spec.block, spec.grid
+    wave = launch._resident_blocks(lanes * rows * tokens, 64) * 132 // grid_y
+    blocks = -(-T // tokens)  # one block per token group
+    assert grid_x <= wave * launch.FUSED_LEAN_PERSISTENT_WAVES < blocks
+    per_block = -(-blocks // grid_x)
+    assert (per_block - 1) * grid_x < blocks <= per_block * grid_x  # no block idle, none 2x
+    for op in ("norm", "cache"):
+        alone, _ = _fused_launch(op, T)
+        assert alone.kernel.lean and alone.grid[0] == min(-(-T // alone.block[2]),
+                                                          launch.MAX_GRID_X), op
+
+
+def test_persistent_token_grid_leaves_small_grids_alone():
+    """Up to ``waves`` waves the grid is returned as it is; past them ceil(n / ceil(n / wave))
+    blocks, at most a wave."""
+    block = (8, 12, 2)
+    wave = launch._resident_blocks(192, 64) * 132
+    for blocks in (1, wave, 2 * wave):
+        assert launch.persistent_token_grid((blocks, 1), block, 64, 132, 2) == (blocks, 1)
+    for blocks in (2 * wave + 1, 7 * wave - 3, 100 * wave + 17):
+        grid_x, grid_y = launch.persistent_token_grid((blocks, 1), block, 64, 132, 2)
+        assert grid_y == 1 and grid_x <= wave and blocks <= grid_x * -(-blocks // grid_x)
+        assert -(-blocks // grid_x) == -(-blocks // wave)  # as few tokens a block as a wave allows

@@ -423,6 +423,9 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                                                       if lean else 0))
         if fusion.row_scaled:
             block, grid = fit_row_buffers(plan, fusion, block, grid)
+        elif lean and spec.norm and spec.cache:
+            grid = persistent_token_grid(grid, block, num_regs(spec), multiprocessors,
+                                         FUSED_LEAN_PERSISTENT_WAVES)
         shared_bytes = 0 if lean else fused_shared_bytes(plan, fusion, ring, block)
         return LaunchSpec(spec, p, grid, block, shared_bytes, pointers, sin_offset, vector,
                           fusion_params)
@@ -679,11 +682,33 @@ def lean_all_heads_geometry(plan: RopePlan, pairs: int, num_regs: int, multiproc
     heads = plan.num_q_heads + plan.num_k_heads
     rows = min(-(-heads // held), THREADS_PER_BLOCK // lanes)
     rows = -(-rows // warp_rows) * warp_rows
-    wave = _resident_blocks(lanes * rows, num_regs) * multiprocessors
-    tokens = plan.num_tokens
-    if tokens > LEAN_ALL_HEADS_PERSISTENT_WAVES * wave:
-        tokens = -(-tokens // -(-tokens // wave))  # ceil(T / ceil(T / wave)) blocks
-    return (lanes, rows, 1), (min(tokens, MAX_GRID_X), 1)
+    block = (lanes, rows, 1)
+    grid_x, _ = persistent_token_grid((plan.num_tokens, 1), block, num_regs, multiprocessors,
+                                      LEAN_ALL_HEADS_PERSISTENT_WAVES)
+    return block, (min(grid_x, MAX_GRID_X), 1)
+
+
+# Waves of resident blocks past which the lean per-head fused kernel with the norm and the cache
+# write runs on a persistent grid (one wave: each block loops over ~T / wave tokens). bf16 q
+# [T, 32, 128], k and v [T, 8, 128], % of an SM copy at T = 4096 / 16384 / 65536, one token pair a
+# block -> persistent: H200 78.1 / 82.2 / 84.2 -> 83.1 / 86.9 / 89.9, H100 89.3 / 93.8 / 95.5 ->
+# 91.4 / 94.8 / 93.0. The other lean fused kernels keep one block per token pair: persistent,
+# rms_norm_rope alone lost 9 points at T = 16384 on the H100 (gained 1 on the H200), the cache
+# write alone and fp8 outputs lost 1-10 on both (docs/perf_log.md).
+FUSED_LEAN_PERSISTENT_WAVES = 1
+
+
+def persistent_token_grid(grid: tuple[int, int], block: tuple[int, int, int], num_regs: int,
+                          multiprocessors: int, waves: int) -> tuple[int, int]:
+    """``grid`` with its x (blocks of ``block[2]`` tokens) cut to a persistent grid when it
+    passes ``waves`` waves of resident blocks: ceil(n / ceil(n / wave)) blocks, every block the
+    same number of tokens give or take one (kernels loop over tokens by gridDim.x)."""
+    grid_x, grid_y = grid
+    wave = max(1, _resident_blocks(block[0] * block[1] * block[2], num_regs) * multiprocessors
+               // grid_y)
+    if grid_x > waves * wave:
+        grid_x = -(-grid_x // -(-grid_x // wave))
+    return grid_x, grid_y
 
 
 def lean_pass_lanes(plan: RopePlan, pairs: int, copy_pass: bool) -> int:
