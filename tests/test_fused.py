@@ -188,7 +188,8 @@ def test_rope_and_cache_many_tokens(backend, rng, monkeypatch, dtype, interleave
     loops over its tokens on a persistent grid (launch.FUSED_LEAN_PERSISTENT_WAVES)."""
     from cupyrope.cuda import launch
 
-    T, Hq, Hk, D = 4099, 5, 3, 128
+    # On a GPU past a wave of resident blocks of up to 16 tokens on 132 SMs.
+    T, Hq, Hk, D = 4099 if backend.name == "numpy" else 20011, 5, 3, 128
     launches = []
     plan_launch = launch.plan_launch
 
