@@ -562,7 +562,10 @@ __device__ __forceinline__ const void* head_norm_weights(const F& f, bool is_k, 
 
 // The heads a thread row holds in registers through the block's sums: heads row, row + rows, ...
 // (launch.lean_all_heads_geometry gives a block rows enough for every head where they fit). Two
-// NeoX chunks or four interleaved ones: 16 registers of q and k either way.
+// NeoX chunks or four interleaved ones: 16 registers of q and k either way. Four NeoX heads
+// (compile-time, with launch.LEAN_ALL_HEADS_HELD[False] = 4, to measure) gained the H200 ~6 points
+// of an SM copy at T >= 16384 and cost the H100 8-10 and both 0.5-1.3 µs in decode
+// (docs/perf_log.md).
 #ifndef CUPYROPE_ALL_HEADS_HELD_NEOX
 #define CUPYROPE_ALL_HEADS_HELD_NEOX 2
 #endif

@@ -11,8 +11,8 @@
 # tests and the NVRTC builds of every architecture with their spill checks are CI's), times the
 # first call of a new process with a cold and with a warm CuPy kernel cache, runs the benchmarks,
 # and prints a summary table last. The exit status is pytest's, or 1 when the kernel cache
-# failed. On an H100 (16 cores, 2026-11-28): setup 5 s, kernel cache 49 s, the suite 89 s, the
-# torch.compile / XLA pre-step 57 s, the benchmarks 130 s: 334 s in all (the aim is 300 s).
+# failed. 2026-11-28, 16 cores: H200 296 s (kernel cache 51 s, the suite 84 s, the torch.compile /
+# XLA pre-step 48 s, the benchmarks 106 s); H100 380 s (69 / 111 / 61 / 130; the aim is 300 s).
 #
 # Files written to ${OUT:-/tmp} (the device tool returns at most 8): pytest.log, pytest.xml (times),
 # first_call_{cold,warm}.log, and, when they run, bench.log, bench_summary.md, bench.json, sweep/ (table, JSON,
