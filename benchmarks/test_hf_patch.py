@@ -17,8 +17,9 @@ unpatched then patched:
 
 Every model step runs under ``torch.inference_mode()`` with ``logits_to_keep=1`` (as ``generate``
 does); its time is wall time per step from a loop of steps and one ``torch.cuda.synchronize``
-(``synced_wall_clock``), which is what a decode step costs: host and GPU overlap. extra_info:
-``ratio_to_unpatched`` (patched / unpatched median of the same case, same run) and
+(``synced_wall_clock``), which is what a decode step costs: host and GPU overlap; unpatched and
+patched rounds alternate. extra_info: ``ratio_to_unpatched`` (the median over the rounds of
+patched / unpatched, each pair side by side) and
 ``rel_logit_diff`` (max |patched - unpatched| / max |unpatched| of the last logits). A summary
 table follows the run. About 40 s on an H100::
 
@@ -49,7 +50,6 @@ MODELS = {
                        dict(intermediate_size=11008, num_key_value_heads=32)),
 }
 
-_MEDIANS: dict = {}   # (model, case) -> unpatched median, µs per step
 _ROWS: list = []      # the summary
 
 
@@ -128,8 +128,12 @@ class _Model:
 
 
 def _time_steps(benchmark, model_name: str, case: str, make_step, iterations: int) -> None:
-    """Time ``make_step(model)`` unpatched (:func:`_median_steps_us`), then patched (through
-    pytest-benchmark, which records it), each as ``iterations`` steps and one synchronise."""
+    """Time ``make_step(model)`` unpatched and patched in alternating rounds (``iterations`` steps
+    and one synchronise each, the order of the pair swapped every round), so that a drift of the
+    GPU's clocks or the host's load over the case moves both sides alike; the ratio is the median
+    of the rounds' ratios. pytest-benchmark then records ROUNDS more rounds of the patched step."""
+    import statistics
+
     import torch
 
     from cupyrope import compat
@@ -137,49 +141,55 @@ def _time_steps(benchmark, model_name: str, case: str, make_step, iterations: in
     model = _Model.get(model_name)
     step = make_step(model)
     benchmark.group = f"{model_name}: {case}"
-    results = {}
-    for patched in (False, True):
-        patch = compat.patch_hf_model(model) if patched else None
-        try:
-            for _ in range(3):  # kernels compiled, allocator warm
+    results, samples = {}, {False: [], True: []}
+    for patched in (False, True):  # kernels compiled, allocator warm, the logits compared
+        with _patched(compat, model, patched):
+            for _ in range(3):
                 step()
             torch.cuda.synchronize()
             results[patched] = step().float()
-            if patched:
-                benchmark.pedantic(step, rounds=ROUNDS, iterations=iterations, warmup_rounds=1)
-                fused = sum(op == "rms_norm_rope" for op in patch.layers.values())
-            else:
-                _MEDIANS[(model_name, case)] = _median_steps_us(step, iterations)
-        finally:
-            if patch is not None:
-                patch.restore()
-    stats = getattr(benchmark, "stats", None)
-    if stats is None:  # --benchmark-disable
+    for round_ in range(ROUNDS + 1):  # the first round warms each side up again
+        for patched in ((False, True) if round_ % 2 else (True, False)):
+            with _patched(compat, model, patched):
+                step()
+                start = bm.synced_wall_clock()
+                for _ in range(iterations):
+                    step()
+                samples[patched].append((bm.synced_wall_clock() - start) / iterations * 1e6)
+    with _patched(compat, model, True) as patch:
+        benchmark.pedantic(step, rounds=ROUNDS, iterations=iterations, warmup_rounds=1)
+        fused = sum(op == "rms_norm_rope" for op in patch.layers.values())
+    if getattr(benchmark, "stats", None) is None:  # --benchmark-disable
         return
-    patched_us = stats.stats.median * 1e6
-    unpatched_us = _MEDIANS[(model_name, case)]
+    patched_us = statistics.median(samples[True][1:])
+    unpatched_us = statistics.median(samples[False][1:])
+    ratio = statistics.median(p / u for p, u in zip(samples[True][1:], samples[False][1:]))
     scale = results[False].abs().max().item()
     diff = (results[True] - results[False]).abs().max().item() / scale
     benchmark.extra_info.update(model=model_name, case=case, gpu=bm.device_name(),
                                 patched_us=round(patched_us, 1),
                                 unpatched_us=round(unpatched_us, 1),
-                                ratio_to_unpatched=round(patched_us / unpatched_us, 3),
+                                ratio_to_unpatched=round(ratio, 3),
                                 fused_layers=fused, rel_logit_diff=float(f"{diff:.3g}"))
-    _ROWS.append((model_name, case, unpatched_us, patched_us, diff))
+    _ROWS.append((model_name, case, unpatched_us, patched_us, ratio, diff))
 
 
-def _median_steps_us(step, iterations: int) -> float:
-    """Median over ROUNDS of (``iterations`` steps + one synchronise) / iterations, in µs: the
-    unpatched side, timed as pytest-benchmark times the patched one."""
-    import statistics
+class _patched:
+    """``with _patched(compat, model, on) as patch``: the model patched by
+    ``compat.patch_hf_model`` inside (``patch`` its HFPatch), or left as it is (``patch`` None)."""
 
-    samples = []
-    for _ in range(ROUNDS + 1):  # the first is the warm-up round, as pedantic's
-        start = bm.synced_wall_clock()
-        for _ in range(iterations):
-            step()
-        samples.append((bm.synced_wall_clock() - start) / iterations * 1e6)
-    return statistics.median(samples[1:])
+    def __init__(self, compat, model, on: bool):
+        self.compat, self.model, self.on, self.patch = compat, model, on, None
+
+    def __enter__(self):
+        if self.on:
+            self.patch = self.compat.patch_hf_model(self.model)
+        return self.patch
+
+    def __exit__(self, *exc):
+        if self.patch is not None:
+            self.patch.restore()
+        return False
 
 
 @pytest.mark.benchmark(timer=bm.synced_wall_clock)
@@ -312,7 +322,7 @@ def test_rotation_host_time(benchmark, host_calls, impl):
             info["target_ratio"] = HOST_TARGET
             info["meets_target"] = us / base <= HOST_TARGET
     benchmark.extra_info.update(info)
-    _ROWS.append(("host", impl, base, us, None))
+    _ROWS.append(("host", impl, base, us, None, None))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -324,14 +334,14 @@ def _summary(request):
                  "wall time per step"]
     lines.append(f"{'model':16} {'case':28} {'unpatched':>10} {'patched':>10} {'ratio':>7} "
                  f"{'rel diff':>9}")
-    for model, case, base, us, diff in _ROWS:
+    for model, case, base, us, ratio, diff in _ROWS:
         if model == "host":
             continue
         lines.append(f"{model:16} {case:28} {base / 1e3:>8.3f}ms {us / 1e3:>8.3f}ms "
-                     f"{us / base:>7.3f} {diff:>9.2g}")
+                     f"{ratio:>7.3f} {diff:>9.2g}")
     lines.append(f"host time per rotation call, B={HOST_BATCH} decode "
                  f"(ratio to apply_rope in place; target for the patched layer <= {HOST_TARGET})")
-    for model, impl, base, us, _ in _ROWS:
+    for model, impl, base, us, _, _ in _ROWS:
         if model == "host":
             ratio = f"{us / base:.2f}x" if base else ""
             lines.append(f"  {impl:26} {us:>8.2f} µs {ratio:>8}")
