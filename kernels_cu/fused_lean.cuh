@@ -528,13 +528,13 @@ __device__ __forceinline__ void rope_fused_lean_body(const RopeParams& p, const 
 // The norm over all heads of a token (norm_over="all_heads": OLMo 2, FlashInfer's
 // fused_qk_rmsnorm_rope) in the lean layout with every dim rotated
 // (launch.fused_lean_all_heads_applies): one token a block, heads on thread rows (blockDim.y rows:
-// enough for every q and k head, LeanAllHeadsHeld a row, where they fit the block), each lane one
+// enough for every q and k head, HELD a row, where they fit the block), each lane one
 // chunk of pairs. A thread loads its heads' chunks and cos/sin, adds the chunks' squares to the
 // token's q or k sum (block_sums), then normalises (weights from global memory: L1 after the first
 // token), rotates and stores the chunks it still holds, so that the token is read from DRAM once
 // and no shared copy of the weights is made (the general all-heads kernel filled every head's
 // weights into shared memory and read each head twice: 53-57 % of an SM copy on an H100). A row
-// holds up to LeanAllHeadsHeld heads, their loads in flight together (one held head a row, the rows
+// holds up to HELD heads, their loads in flight together (one held head a row, the rows
 // past the block's read one after another: 65 % of the copy for 32 + 8 heads on an H100); heads
 // past those are read again for their stores (from L1: the block read them for the sums).
 // 3 resident blocks (80 registers) for interleaved heads without the cache write; otherwise 2
@@ -560,19 +560,12 @@ __device__ __forceinline__ const void* head_norm_weights(const F& f, bool is_k, 
          static_cast<long long>(head) * head_dim * bytes;
 }
 
-// The heads a thread row holds in registers through the block's sums: heads row, row + rows, ...
-// (launch.lean_all_heads_geometry gives a block rows enough for every head where they fit). Two
-// NeoX chunks or four interleaved ones: 16 registers of q and k either way. Four NeoX heads
-// (compile-time, with launch.LEAN_ALL_HEADS_HELD[False] = 4, to measure) gained the H200 ~6 points
-// of an SM copy at T >= 16384 and cost the H100 8-10 and both 0.5-1.3 µs in decode
+// HELD: the heads a thread row holds in registers through the block's sums: heads row, row +
+// rows, ... (launch.lean_all_heads_geometry gives a block rows enough for every head where they
+// fit). Two NeoX chunks or four interleaved ones hold 16 registers of q and k; four NeoX ones
+// (32), on GPUs of fast memory (launch.lean_all_heads_held), hold twice the bytes in flight:
+// H200, 32 + 8 heads, 6 points more of an SM copy at T >= 16384, where they cost an H100 8-10
 // (docs/perf_log.md).
-#ifndef CUPYROPE_ALL_HEADS_HELD_NEOX
-#define CUPYROPE_ALL_HEADS_HELD_NEOX 2
-#endif
-template <bool INTERLEAVED>
-struct LeanAllHeadsHeld {
-  static constexpr int value = INTERLEAVED ? 4 : CUPYROPE_ALL_HEADS_HELD_NEOX;
-};
 
 // Loads the chunks of a row's held heads, all issued before any is used.
 template <typename T, typename Index, int H, bool INTERLEAVED>
@@ -615,14 +608,16 @@ __device__ __forceinline__ void lean_all_heads_store(const RopeParams& p, const 
       cache_offset);
 }
 
-template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool CACHE, typename W>
+template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool CACHE, int HELD,
+          typename W>
 __device__ __forceinline__ void rope_fused_lean_all_heads_tokens(const RopeParams& p,
                                                                  const FusionParams& f) {
   using Index = int;  // lean kernels use 32-bit offsets (cache rows stay 64-bit)
   using L = Layout<T, true, INTERLEAVED>;
   using Chunk = LeanChunk<T, INTERLEAVED>;
   constexpr int P = L::pairs;
-  constexpr int H = LeanAllHeadsHeld<INTERLEAVED>::value;
+  constexpr int H = HELD;
+  static_assert(HELD >= 1, "a thread row holds at least one head");
   __shared__ float scratch[kAllHeadsScratch];  // block_sums: a q and a k sum per warp
 
   wait_for_previous_grid();
@@ -752,13 +747,14 @@ __device__ __forceinline__ void rope_fused_lean_all_heads_tokens(const RopeParam
 }
 
 // The kernel body for the weights' dtype: compiled for the q dtype and for any other dtype.
-template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool CACHE>
+template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool CACHE, int HELD>
 __device__ __forceinline__ void rope_fused_lean_all_heads_body(const RopeParams& p,
                                                                const FusionParams& f) {
   if (f.weight_dtype == WeightDtypeOf<T>::value) {
-    rope_fused_lean_all_heads_tokens<T, TableT, INTERLEAVED, SOURCE, CACHE, T>(p, f);
+    rope_fused_lean_all_heads_tokens<T, TableT, INTERLEAVED, SOURCE, CACHE, HELD, T>(p, f);
   } else {
-    rope_fused_lean_all_heads_tokens<T, TableT, INTERLEAVED, SOURCE, CACHE, RuntimeWeights>(p, f);
+    rope_fused_lean_all_heads_tokens<T, TableT, INTERLEAVED, SOURCE, CACHE, HELD,
+                                     RuntimeWeights>(p, f);
   }
 }
 

@@ -258,16 +258,16 @@ void rope_fused_all_heads_kernel(const RopeParams p, const FusionParams f) {
 }
 
 // The norm over all heads in the lean layout with every dim rotated (fused_lean.cuh): every q and
-// k head of a token in one block, LeanAllHeadsHeld of them a thread row held in registers (heads
-// past those read again, from L1). Resident blocks: fused_lean.cuh, LeanAllHeadsMinBlocksPerSM.
-// CACHE: the k and v cache write.
+// k head of a token in one block, HELD of them a thread row held in registers (heads past those
+// read again, from L1). Resident blocks: fused_lean.cuh, LeanAllHeadsMinBlocksPerSM. CACHE: the k
+// and v cache write.
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX,
-          bool CACHE>
+          bool CACHE, int HELD>
 __global__ __launch_bounds__(kMaxThreadsPerBlock,
                              LeanAllHeadsMinBlocksPerSM<T, INTERLEAVED, CACHE>::value)
 void rope_fused_lean_all_heads_kernel(const RopeParams p, const FusionParams f) {
   static_assert(VECTOR && !WIDE_INDEX, "lean kernels take 16-byte accesses and 32-bit offsets");
-  rope_fused_lean_all_heads_body<T, TableT, INTERLEAVED, SOURCE, CACHE>(p, f);
+  rope_fused_lean_all_heads_body<T, TableT, INTERLEAVED, SOURCE, CACHE, HELD>(p, f);
 }
 
 // The fused ops in the lean layout, one kernel per set of fusions (NORM, CACHE): 4 resident blocks

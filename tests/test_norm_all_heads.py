@@ -30,22 +30,27 @@ def _norm_all_heads64(x, weight, eps, weight_offset=0.0):
     return x / rms * (weight_offset + w)
 
 
-@pytest.fixture(params=["general", "lean"])
+@pytest.fixture(params=["general", "lean", "lean-fast-memory"])
 def all_heads_kernel(request, monkeypatch):
     """The kernel of the GPU launches with the norm over all heads in the lean layout: the lean
-    all-heads kernel (``launch.LEAN_ALL_HEADS``, the default), or the general fused kernel's
-    all-heads variant (switched off). Yields (lean, planned): whether the lean kernel is on, and
-    the list each lean launch planned appends to; launch recipes of the other kernel are
-    forgotten before and after."""
+    all-heads kernel (``launch.LEAN_ALL_HEADS``, the default), the same as on a GPU of fast memory
+    at every T (four held NeoX heads a thread row: ``launch.lean_all_heads_held``), or the general
+    fused kernel's all-heads variant (switched off). Yields (lean, planned): whether the lean
+    kernel is on, and the list each lean launch planned appends to; launch recipes of the other
+    kernels are forgotten before and after."""
     from cupyrope import execute
     from cupyrope.cuda import launch
 
-    lean, planned = request.param == "lean", []
+    lean, planned = request.param.startswith("lean"), []
     monkeypatch.setattr(launch, "LEAN_ALL_HEADS", lean)
+    if request.param == "lean-fast-memory":
+        monkeypatch.setattr(launch, "_memory_bandwidth", lambda device: 4.8e12)
+        monkeypatch.setattr(launch, "LEAN_ALL_HEADS_FAST_MEMORY_MIN_TOKENS", 1)
     if lean:
         geometry = launch.lean_all_heads_geometry
         monkeypatch.setattr(launch, "lean_all_heads_geometry",
-                            lambda *args: planned.append(args) or geometry(*args))
+                            lambda *args, **kwargs: planned.append(args) or geometry(*args,
+                                                                                     **kwargs))
     execute.clear()
     yield lean, planned
     execute.clear()
@@ -450,6 +455,49 @@ def test_lean_all_heads_geometry_holds_every_head_and_spreads_tokens(interleaved
         per_block = -(-T // grid_x)
         assert per_block == -(-T // wave)  # no more tokens a block than a full wave needs
         assert (per_block - 1) * grid_x < T  # every block has at least per_block - 1
+
+
+@pytest.mark.parametrize("interleaved,bandwidth,T,held", [
+    (False, 3.35e12, 65536, 2),   # H100: two NeoX heads a row at every T
+    (False, 4.8e12, 4096, 4),     # H200: four from LEAN_ALL_HEADS_FAST_MEMORY_MIN_TOKENS
+    (False, 4.8e12, 4095, 2),     # ... two below it (decode, T = 512: two were faster)
+    (False, 0.0, 65536, 2),       # bandwidth unknown: the narrower choice
+    (True, 4.8e12, 65536, 4),     # interleaved: four at every T on every GPU
+    (True, 3.35e12, 1, 4),
+])
+def test_lean_all_heads_holds_four_neox_heads_on_fast_memory(interleaved, bandwidth, T, held):
+    """launch.lean_all_heads_held, and the launch it makes: the kernel's HELD template argument
+    and rows ceil(heads / held), whole warps, for bf16 32 + 8 heads of 128."""
+    from cupyrope.core.arrays import describe
+    from cupyrope.core.fused_plan import plan_fused
+    from cupyrope.cuda import launch
+
+    hq, hk, D = 32, 8, 128
+    q = np.zeros((T, hq, D), ml_dtypes.bfloat16)
+    k = np.zeros((T, hk, D), ml_dtypes.bfloat16)
+    fusion = dict(norm=True, q_weight=np.ones(hq * D, ml_dtypes.bfloat16),
+                  k_weight=np.ones(hk * D, ml_dtypes.bfloat16), eps=1e-6, norm_over="all_heads")
+    plan = plan_fused("rms_norm_rope", q, k, np.arange(T), validate=False,
+                      rope=dict(cos_sin_cache=np.zeros((70000, D), np.float32), inplace=False,
+                                interleaved=interleaved),
+                      fusion=fusion)
+    assert launch.lean_all_heads_held(plan, bandwidth) == held
+    outputs = [describe(np.zeros(x.shape, x.dtype), name) for x, name in ((q, "q_out"),
+                                                                          (k, "k_out"))]
+    spec = launch.plan_launch(plan, outputs, num_regs=lambda spec: 128, multiprocessors=132,
+                              angle_arithmetic="float64", memory_bandwidth=bandwidth)
+    assert spec.kernel.lean and spec.kernel.all_heads and spec.kernel.held == held
+    assert spec.kernel.name_expression.endswith(f", {held}>")
+    assert spec.kernel in compiler_specs()  # compiled ahead (python -m cupyrope compile)
+    lanes, rows, one = spec.block
+    assert lanes == (16 if interleaved else 8) and one == 1 and (lanes * rows) % 32 == 0
+    assert rows == -(-(-(-(hq + hk) // held)) // (32 // lanes)) * (32 // lanes)
+
+
+def compiler_specs():
+    from cupyrope.cuda import compiler
+
+    return set(compiler.FUSED_SPECIALISATIONS)
 
 
 @pytest.mark.parametrize("kwargs,error,match", [

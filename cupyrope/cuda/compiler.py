@@ -58,6 +58,9 @@ class KernelSpec:
     # token (norm_over="all_heads"), stores quantised per row or not; with lean (and norm, cache
     # as the launch has them) rope_fused_lean_all_heads_kernel, its lean layout
     all_heads: bool = False
+    # rope_fused_lean_all_heads_kernel: the heads a thread row holds in registers
+    # (launch.lean_all_heads_held; 0 for every other kernel)
+    held: int = 0
 
     @property
     def name_expression(self) -> str:
@@ -66,7 +69,7 @@ class KernelSpec:
             return (f"cupyrope::rope_fused_lean_all_heads_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
                     f"{CUDA_TYPE_NAMES[self.table_dtype]}, true, "
                     f"{str(self.interleaved).lower()}, {int(self.source)}, false, "
-                    f"{str(self.cache).lower()}>")
+                    f"{str(self.cache).lower()}, {self.held}>")
         kernel = ("rope_fused_decode_kernel" if self.decode and self.fused else
                   "rope_decode_kernel" if self.decode else
                   "rope_fused_lean_kernel" if self.fused and self.lean else
@@ -136,8 +139,11 @@ def _fused_specialisations() -> tuple[KernelSpec, ...]:
     # The norm over all heads: every layout of the general fused kernel (rows or not), and the
     # lean layout with and without the cache write (launch.fused_lean_all_heads_applies).
     all_heads = [dataclasses.replace(spec, all_heads=True) for spec in specs]
-    all_heads += [dataclasses.replace(spec, all_heads=True, partial=False) for spec in lean
-                  if spec.norm]
+    # Its lean layout holds two NeoX heads a thread row, four interleaved, and on GPUs of fast
+    # memory four NeoX ones (launch.lean_all_heads_held).
+    all_heads += [dataclasses.replace(spec, all_heads=True, partial=False, held=held)
+                  for spec in lean if spec.norm
+                  for held in ((4,) if spec.interleaved else (2, 4))]
     # The fused decode kernels: the lean fused layouts without M-RoPE, few tokens
     # (launch.fused_decode_applies).
     decode = [dataclasses.replace(spec, decode=True) for spec in lean]

@@ -288,14 +288,15 @@ class LaunchSpec:
 
 def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int = 0,
                 num_regs: Callable[[KernelSpec], int], multiprocessors: int,
-                angle_arithmetic: str | None = None) -> LaunchSpec:
+                angle_arithmetic: str | None = None, memory_bandwidth: float = 0.0) -> LaunchSpec:
     """The launch that rotates q (and k) of ``plan`` into ``outputs``.
 
     ``inv_freq_ptr`` is the device copy of ``plan.inv_freq`` (computed angles), ``num_regs`` gives
     the registers a specialisation uses (the geometry sizes blocks by it), ``multiprocessors``
     is the device's SM count and ``angle_arithmetic`` the device's computed-angle arithmetic
     (``cupyrope.cuda.compiler.angle_arithmetic``; None: unknown, computed angles stay on the lean
-    kernel).
+    kernel), ``memory_bandwidth`` the device's in bytes per second (:func:`lean_all_heads_held`;
+    0: unknown).
     """
     if plan.fusion is not None:
         check_dense_heads(plan)  # the fused kernels read and write whole, dense heads
@@ -383,10 +384,12 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
     if fusion is not None and LEAN_ALL_HEADS and fused_lean_all_heads_applies(
             plan, vector=vector, wide_index=wide_index, token_ndim=len(shape), pairs=pairs,
             table_vector_ok=bool(p["table_vector_ok"])):
+        held = lean_all_heads_held(plan, memory_bandwidth)
         spec = KernelSpec(plan.q.dtype, table_dtype, vector, plan.interleaved, plan.source,
                           wide_index, lean=True, fused=True, norm=True,
-                          cache=fusion.writes_cache, all_heads=True)
-        block, grid = lean_all_heads_geometry(plan, pairs, num_regs(spec), multiprocessors)
+                          cache=fusion.writes_cache, all_heads=True, held=held)
+        block, grid = lean_all_heads_geometry(plan, pairs, num_regs(spec), multiprocessors,
+                                              held=held)
         return LaunchSpec(spec, p, grid, block, 0, pointers, sin_offset, vector,
                           fusion_struct(plan, fusion, copy_pass))
     if fusion is not None:
@@ -473,6 +476,7 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
     spec = plan_launch(plan, outputs, inv_freq_ptr=0 if inv_freq is None else inv_freq.data.ptr,
                        num_regs=lambda kernel_spec: compiled(kernel_spec).num_regs,
                        multiprocessors=_multiprocessors(device),
+                       memory_bandwidth=_memory_bandwidth(device),
                        angle_arithmetic=(device_angle_arithmetic(device)
                                          if plan.source == AngleSource.COMPUTED else None))
     kernel = compiled(spec.kernel)
@@ -523,6 +527,24 @@ UNEVEN_LANES_MAX_HEADS = 2
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device: int) -> int:
     return cupy_module().cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+
+
+# cudaDeviceGetAttribute: the memory clock (kHz) and bus width (bits).
+_ATTRIBUTE_MEMORY_CLOCK_KHZ, _ATTRIBUTE_MEMORY_BUS_BITS = 36, 37
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_bandwidth(device: int) -> float:
+    """The device's peak memory bandwidth in bytes per second (double data rate: two transfers
+    a clock, as NVIDIA quotes it: H100 SXM 3.35e12, H200 4.8e12), or 0.0 where the driver does not
+    report the clock (the launches then make the choices of slower memory)."""
+    runtime = cupy_module().cuda.runtime
+    try:
+        khz = runtime.deviceGetAttribute(_ATTRIBUTE_MEMORY_CLOCK_KHZ, device)
+        bits = runtime.deviceGetAttribute(_ATTRIBUTE_MEMORY_BUS_BITS, device)
+    except Exception:  # CUDARuntimeError: an attribute this driver lacks
+        return 0.0
+    return 2.0 * khz * 1e3 * bits / 8
 
 
 def _resident_blocks(threads: int, num_regs: int) -> int:
@@ -655,10 +677,28 @@ def fused_lean_all_heads_applies(plan: RopePlan, *, vector: bool, wide_index: bo
 
 
 # The heads a thread row of the lean all-heads kernel holds in registers through the token's sums
-# (kernels_cu/fused_lean.cuh: LeanAllHeadsHeld): two NeoX chunks or four interleaved ones, 16
-# registers either way. Holding one (a row a head, the heads past the block's rows read one
-# after another) left 32 + 8 heads at 65 % of an SM copy on an H100.
+# (kernels_cu/fused_lean.cuh: HELD): two NeoX chunks or four interleaved ones, 16 registers either
+# way. Holding one (a row a head, the heads past the block's rows read one after another) left
+# 32 + 8 heads at 65 % of an SM copy on an H100.
 LEAN_ALL_HEADS_HELD = {False: 2, True: 4}  # by plan.interleaved
+
+# Four NeoX heads a row (32 registers of q and k, twice the bytes in flight) where the memory is
+# this fast (bytes per second, from the device's memory clock and bus width) and the launch has
+# this many tokens. bf16 32 + 8 heads of 128, two -> four held: H200 (4.8 TB/s) rms_norm_rope
+# 79.5 / 83.6 -> 85.4 / 89.1 % of an SM copy at T = 16384 / 65536, with the cache write 72.4 /
+# 74.0 -> 77.1 / 78.1, T = 4096 71.5 -> 72.8 and 66.5 -> 70.1; H100 (3.35 TB/s) 93.2 -> 83.1 at
+# T = 16384; decode 0.5-1.3 µs slower on both (docs/perf_log.md).
+LEAN_ALL_HEADS_FAST_MEMORY = 4.0e12
+LEAN_ALL_HEADS_FAST_MEMORY_MIN_TOKENS = 4096
+
+
+def lean_all_heads_held(plan: RopePlan, memory_bandwidth: float) -> int:
+    """The heads a thread row of the lean all-heads kernel holds for ``plan`` on a device of
+    ``memory_bandwidth`` bytes per second (0: unknown, the narrower choice)."""
+    if (not plan.interleaved and memory_bandwidth >= LEAN_ALL_HEADS_FAST_MEMORY
+            and plan.num_tokens >= LEAN_ALL_HEADS_FAST_MEMORY_MIN_TOKENS):
+        return 4
+    return LEAN_ALL_HEADS_HELD[plan.interleaved]
 
 
 # Past this many waves of resident blocks the lean all-heads kernel's grid is persistent: each
@@ -668,9 +708,11 @@ LEAN_ALL_HEADS_HELD = {False: 2, True: 4}  # by plan.interleaved
 LEAN_ALL_HEADS_PERSISTENT_WAVES = 4
 
 
-def lean_all_heads_geometry(plan: RopePlan, pairs: int, num_regs: int, multiprocessors: int):
+def lean_all_heads_geometry(plan: RopePlan, pairs: int, num_regs: int, multiprocessors: int,
+                            held: int | None = None):
     """(block, grid) of the lean all-heads kernel: x the lanes of a head (a power of two), y the
-    rows that hold every q and k head, LEAN_ALL_HEADS_HELD a row, where they fit a block (whole
+    rows that hold every q and k head, ``held`` a row (default LEAN_ALL_HEADS_HELD's), where they
+    fit a block (whole
     warps; rows past the heads only take part in the sums, heads past the rows' held ones are read
     again by the rows they fall to). One token a block up to LEAN_ALL_HEADS_PERSISTENT_WAVES
     waves of resident blocks; past that a persistent grid with the tokens spread evenly (every
@@ -678,7 +720,7 @@ def lean_all_heads_geometry(plan: RopePlan, pairs: int, num_regs: int, multiproc
     chunks = (plan.rotary_dim // 2) // pairs
     lanes = 1 << (chunks - 1).bit_length()
     warp_rows = max(1, 32 // lanes)
-    held = LEAN_ALL_HEADS_HELD[plan.interleaved]
+    held = LEAN_ALL_HEADS_HELD[plan.interleaved] if held is None else held
     heads = plan.num_q_heads + plan.num_k_heads
     rows = min(-(-heads // held), THREADS_PER_BLOCK // lanes)
     rows = -(-rows // warp_rows) * warp_rows

@@ -104,7 +104,8 @@ def lower_planned(ctx, operands, names: tuple[str, ...], plan):
     native = plan_native_launch(
         plan, ctx.avals_out, names, angle_arithmetic=arithmetic,
         num_regs=lambda kernel_spec: compiler.get_kernel(kernel_spec, device).num_regs,
-        multiprocessors=launch._multiprocessors(device))
+        multiprocessors=launch._multiprocessors(device),
+        memory_bandwidth=launch._memory_bandwidth(device))
     spec, block, buffers = native.spec, native.block, native.buffers
     nodes = list(operands)
     if native.inv_freq is not None:  # the schedule's float64 frequencies, a module constant
@@ -163,10 +164,11 @@ class NativeLaunch(NamedTuple):
 
 
 def plan_native_launch(plan, avals_out, names: tuple[str, ...], *, num_regs, multiprocessors: int,
-                       angle_arithmetic: str | None) -> NativeLaunch:
+                       angle_arithmetic: str | None,
+                       memory_bandwidth: float = 0.0) -> NativeLaunch:
     """The XLA kernel call of a checked, non-empty plan on :func:`planning_infos` (``avals_out``:
-    the results' shapes and dtypes). ``num_regs`` and ``multiprocessors`` are
-    ``launch.plan_launch``'s; ``angle_arithmetic`` the device's computed-angle arithmetic."""
+    the results' shapes and dtypes). ``num_regs``, ``multiprocessors`` and ``memory_bandwidth``
+    are ``launch.plan_launch``'s; ``angle_arithmetic`` the device's computed-angle arithmetic."""
     rotated = 1 if plan.k is None else 2
     outputs = []
     for i, aval in enumerate(avals_out[:rotated]):
@@ -180,7 +182,8 @@ def plan_native_launch(plan, avals_out, names: tuple[str, ...], *, num_regs, mul
         inv_freq = np.ascontiguousarray(plan.inv_freq, dtype=np.float64)
     spec = launch.plan_launch(
         plan, outputs, inv_freq_ptr=0 if inv_freq is None else fake_pointer(len(names)),
-        num_regs=num_regs, multiprocessors=multiprocessors, angle_arithmetic=angle_arithmetic)
+        num_regs=num_regs, multiprocessors=multiprocessors, angle_arithmetic=angle_arithmetic,
+        memory_bandwidth=memory_bandwidth)
     block, grid, shared_bytes = _flat_block(plan, spec)
     # XLA's buffers: the operands (a cos/sin cache is read as `cos`, sin found by offset; a
     # cache's scales written as they are), the frequencies, then the results (new caches and
@@ -296,9 +299,9 @@ def _body(kernel) -> tuple[str, str]:
         return (f"cupyrope::rope_fused_decode_body<{t}, {table}, {interleaved}, {source}, {norm}, "
                 f"{cache}>", threads)
     if kernel.fused and kernel.lean and kernel.all_heads:
-        cache = args[6]
+        cache, held = args[6:8]
         return (f"cupyrope::rope_fused_lean_all_heads_body<{t}, {table}, {interleaved}, {source}, "
-                f"{cache}>",
+                f"{cache}, {held}>",
                 f"{threads}, cupyrope::LeanAllHeadsMinBlocksPerSM<{t}, {interleaved}, {cache}>::value")
     if kernel.fused and kernel.lean:
         norm, cache = args[6:8]
