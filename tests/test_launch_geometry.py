@@ -302,8 +302,8 @@ def test_fused_decode_kernel_needs_a_power_of_two_of_chunks_and_no_mrope():
 @pytest.mark.parametrize("T", [4096, 16384, 65536, 200000])
 def test_lean_norm_and_cache_write_runs_on_a_persistent_grid(T):
     """The lean kernel with the norm and the cache write loops over its tokens on one wave of
-    resident blocks (FUSED_LEAN_PERSISTENT_WAVES), the tokens spread evenly; the norm alone and
-    the cache write alone keep one block per token group."""
+    resident blocks (FUSED_LEAN_PERSISTENT_WAVES), the tokens spread evenly; the norm alone, the
+    cache write alone and a partial rotation keep one block per token group."""
     spec, _ = _fused_launch("norm+cache", T)
     assert spec.kernel.lean and spec.kernel.norm and spec.kernel.cache and not spec.kernel.decode
     (lanes, rows, tokens), (grid_x, grid_y) = spec.block, spec.grid
@@ -316,6 +316,10 @@ def test_lean_norm_and_cache_write_runs_on_a_persistent_grid(T):
         alone, _ = _fused_launch(op, T)
         assert alone.kernel.lean and alone.grid[0] == min(-(-T // alone.block[2]),
                                                           launch.MAX_GRID_X), op
+    # A partial rotation's kernel (not measured on a persistent grid) keeps one block a group.
+    partial, _ = _fused_launch("norm+cache", T, cos_sin_cache=np.zeros((4096, 64), np.float32))
+    assert partial.kernel.partial and partial.kernel.norm and partial.kernel.cache
+    assert partial.grid[0] == min(-(-T // partial.block[2]), launch.MAX_GRID_X)
 
 
 def test_persistent_token_grid_leaves_small_grids_alone():

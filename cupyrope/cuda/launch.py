@@ -426,7 +426,8 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                                                       if lean else 0))
         if fusion.row_scaled:
             block, grid = fit_row_buffers(plan, fusion, block, grid)
-        elif lean and spec.norm and spec.cache:
+        elif lean and spec.norm and spec.cache and not (spec.mrope or spec.partial):
+            # (M-RoPE and partial rotations: not measured persistent, one block per token group)
             grid = persistent_token_grid(grid, block, num_regs(spec), multiprocessors,
                                          FUSED_LEAN_PERSISTENT_WAVES)
         shared_bytes = 0 if lean else fused_shared_bytes(plan, fusion, ring, block)
@@ -542,7 +543,7 @@ def _memory_bandwidth(device: int) -> float:
     try:
         khz = runtime.deviceGetAttribute(_ATTRIBUTE_MEMORY_CLOCK_KHZ, device)
         bits = runtime.deviceGetAttribute(_ATTRIBUTE_MEMORY_BUS_BITS, device)
-    except Exception:  # CUDARuntimeError: an attribute this driver lacks
+    except runtime.CUDARuntimeError:  # an attribute this driver does not report
         return 0.0
     return 2.0 * khz * 1e3 * bits / 8
 
@@ -712,9 +713,8 @@ def lean_all_heads_geometry(plan: RopePlan, pairs: int, num_regs: int, multiproc
                             held: int | None = None):
     """(block, grid) of the lean all-heads kernel: x the lanes of a head (a power of two), y the
     rows that hold every q and k head, ``held`` a row (default LEAN_ALL_HEADS_HELD's), where they
-    fit a block (whole
-    warps; rows past the heads only take part in the sums, heads past the rows' held ones are read
-    again by the rows they fall to). One token a block up to LEAN_ALL_HEADS_PERSISTENT_WAVES
+    fit a block (whole warps; rows past the heads only take part in the sums, heads past the rows'
+    held ones are read again by the rows they fall to). One token a block up to LEAN_ALL_HEADS_PERSISTENT_WAVES
     waves of resident blocks; past that a persistent grid with the tokens spread evenly (every
     block the same number, give or take one)."""
     chunks = (plan.rotary_dim // 2) // pairs
