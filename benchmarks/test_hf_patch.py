@@ -28,6 +28,8 @@ table follows the run. About 40 s on an H100::
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from cupyrope import bench as bm
@@ -174,22 +176,15 @@ def _time_steps(benchmark, model_name: str, case: str, make_step, iterations: in
     _ROWS.append((model_name, case, unpatched_us, patched_us, ratio, diff))
 
 
-class _patched:
-    """``with _patched(compat, model, on) as patch``: the model patched by
-    ``compat.patch_hf_model`` inside (``patch`` its HFPatch), or left as it is (``patch`` None)."""
-
-    def __init__(self, compat, model, on: bool):
-        self.compat, self.model, self.on, self.patch = compat, model, on, None
-
-    def __enter__(self):
-        if self.on:
-            self.patch = self.compat.patch_hf_model(self.model)
-        return self.patch
-
-    def __exit__(self, *exc):
-        if self.patch is not None:
-            self.patch.restore()
-        return False
+@contextlib.contextmanager
+def _patched(compat, model, on: bool):
+    """The model patched by ``compat.patch_hf_model`` inside (yields its HFPatch), or left as it
+    is (yields None)."""
+    if not on:
+        yield None
+        return
+    with compat.patch_hf_model(model) as patch:
+        yield patch
 
 
 @pytest.mark.benchmark(timer=bm.synced_wall_clock)

@@ -470,7 +470,7 @@ def test_lean_all_heads_holds_four_neox_heads_on_fast_memory(interleaved, bandwi
     and rows ceil(heads / held), whole warps, for bf16 32 + 8 heads of 128."""
     from cupyrope.core.arrays import describe
     from cupyrope.core.fused_plan import plan_fused
-    from cupyrope.cuda import launch
+    from cupyrope.cuda import compiler, launch
 
     hq, hk, D = 32, 8, 128
     q = np.zeros((T, hq, D), ml_dtypes.bfloat16)
@@ -488,16 +488,10 @@ def test_lean_all_heads_holds_four_neox_heads_on_fast_memory(interleaved, bandwi
                               angle_arithmetic="float64", memory_bandwidth=bandwidth)
     assert spec.kernel.lean and spec.kernel.all_heads and spec.kernel.held == held
     assert spec.kernel.name_expression.endswith(f", {held}>")
-    assert spec.kernel in compiler_specs()  # compiled ahead (python -m cupyrope compile)
+    assert spec.kernel in compiler.FUSED_SPECIALISATIONS  # compiled ahead (cupyrope compile)
     lanes, rows, one = spec.block
     assert lanes == (16 if interleaved else 8) and one == 1 and (lanes * rows) % 32 == 0
     assert rows == -(-(-(-(hq + hk) // held)) // (32 // lanes)) * (32 // lanes)
-
-
-def compiler_specs():
-    from cupyrope.cuda import compiler
-
-    return set(compiler.FUSED_SPECIALISATIONS)
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
