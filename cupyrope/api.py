@@ -16,6 +16,7 @@ from typing import Any
 from . import execute
 from .core.arrays import describe, mark_written, new_output
 from .core.fused_plan import PER_HEAD
+from .cuda.recipes import fast_fused_key
 
 # Any array cupyrope takes: CuPy, torch, JAX, NumPy or another DLPack producer.
 Array = Any
@@ -314,6 +315,17 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
     >>> bool(np.allclose(np.sqrt((q2 ** 2).mean(-1)), 1, atol=1e-4))
     True
     """
+    fast = None
+    if out is None and not validate and not _compiling():
+        # The repeat-call path first, keyed by the arguments as given (no dicts).
+        fast = fast_fused_key("rms_norm_rope", (q, k, positions, cos_sin_cache, cos, sin,
+                                                q_weight, k_weight, q_scale, k_scale),
+                              (eps, weight_offset, theta, scaling, interleaved, rotary_dim,
+                               inverse, inplace, seq_len, out_dtype, norm_over))
+        if fast is not None:
+            result = execute.replay_fast(fast, q, k, None, inplace)
+            if result is not None:
+                return result
     fusion = dict(norm=True, q_weight=q_weight, k_weight=k_weight, eps=eps,
                   weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
                   k_scale=k_scale, norm_over=norm_over)
@@ -325,7 +337,7 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
                                                 validate, out), made)
     return _with_row_scales(execute.run_fused(
         "rms_norm_rope", q, k, positions, rope=rope, fusion=fusion, validate=validate,
-        router=_fused_route), made)
+        router=_fused_route, fast_key=None if fast is None else fast[0]), made)
 
 
 def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cache: Array,
@@ -390,6 +402,21 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
     (q_out, k_out, k_cache, v_cache)
         The caches are the arrays given, written in place.
     """
+    if inplace is None:
+        inplace = out is None
+    fast = None
+    if (out is None and not validate and k_cache_scales is None and v_cache_scales is None
+            and not _compiling()):
+        # The repeat-call path first, keyed by the arguments as given (no dicts).
+        fast = fast_fused_key("rope_and_cache", (q, k, positions, cos_sin_cache, cos, sin,
+                                                 q_weight, k_weight, q_scale, k_scale, v_scale,
+                                                 v, k_cache, v_cache, slot_mapping),
+                              (theta, scaling, interleaved, rotary_dim, layout, cache_dtype,
+                               eps, weight_offset, out_dtype, inplace, seq_len, norm_over))
+        if fast is not None:
+            result = execute.replay_fast(fast, q, k, (k_cache, v_cache), inplace)
+            if result is not None:
+                return result
     norm = q_weight is not None or k_weight is not None
     fusion = dict(norm=norm, q_weight=q_weight, k_weight=k_weight, eps=eps,
                   weight_offset=weight_offset, out_dtype=out_dtype, q_scale=q_scale,
@@ -398,14 +425,13 @@ def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cach
                   cache_dtype=cache_dtype, norm_over=norm_over)
     if k_cache_scales is not None or v_cache_scales is not None:  # NVFP4 caches only
         fusion.update(k_cache_scales=k_cache_scales, v_cache_scales=v_cache_scales)
-    if inplace is None:
-        inplace = out is None
     rope = _rope_options(cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim, False,
                          inplace, seq_len)
     if out is not None:
         return _run_fused_into("rope_and_cache", q, k, positions, rope, fusion, validate, out)
     return execute.run_fused("rope_and_cache", q, k, positions, rope=rope, fusion=fusion,
-                             validate=validate, router=_fused_route)
+                             validate=validate, router=_fused_route,
+                             fast_key=None if fast is None else fast[0])
 
 
 def _run_fused_into(op_name: str, q, k, positions, rope: dict, fusion: dict, validate: bool,

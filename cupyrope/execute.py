@@ -123,14 +123,28 @@ def clear() -> None:
     recipes.clear()
 
 
+def replay_fast(found, q, k, caches, inplace: bool):
+    """A fused call's repeat by its fast key (:func:`cupyrope.cuda.recipes.fast_fused_key`, formed
+    from the public function's own arguments before any dict is built): the outputs as
+    :func:`run_fused` returns them, or None when no recipe is kept under it or the full path
+    must decide. Reached only outside tracing and with ``validate`` off; tensors that require
+    grad, DTensors and JAX arrays never form a fast key, so no call a router would send
+    elsewhere replays here."""
+    recipe = recipes.get(found[0])
+    if recipe is None:
+        return None
+    return replay_fused(recipe, q, k, caches, found[1], inplace)
+
+
 def run_fused(op_name: str, q, k, positions, *, rope: dict, fusion: dict, validate: bool,
-              router=None):
+              router=None, fast_key=None):
     """A fused op on arrays (:func:`cupyrope.rms_norm_rope`, :func:`cupyrope.rope_and_cache`,
     ``apply_rope(out_dtype=...)``): the plan, new outputs (fp8 when asked), one fused launch on
     the GPU or the NumPy path on the host. Returns the outputs as :func:`run` does, then the
     caches (written in place) when the call writes them. ``router(op_name, q, k, positions, rope,
     fusion)`` returns the module whose ``run_fused`` must take the call instead (autograd,
-    tracing), or None."""
+    tracing), or None. ``fast_key``: the call's key from :func:`fast_fused_key`, under which
+    a recipe this call keeps is kept too."""
     if router is not None:
         route = router(op_name, q, k, positions, rope, fusion)
         if route is not None:
@@ -155,7 +169,7 @@ def run_fused(op_name: str, q, k, positions, *, rope: dict, fusion: dict, valida
         written = [*written, f.k_cache.obj, f.v_cache.obj]
     mark_written(*written)
     if recipe is not None and key is not None:
-        _keep_fused_recipe(recipe, plan, key)
+        _keep_fused_recipe(recipe, plan, key, fast_key)
     results = natives if plan.inplace else [finish(info, out, f.out_dtype)
                                             for info, out in zip(inputs, natives)]
     if f.writes_cache:
@@ -163,7 +177,7 @@ def run_fused(op_name: str, q, k, positions, *, rope: dict, fusion: dict, valida
     return results[0] if plan.k is None else (results[0], results[1])
 
 
-def _keep_fused_recipe(recipe, plan: RopePlan, key) -> None:
+def _keep_fused_recipe(recipe, plan: RopePlan, key, fast_key=None) -> None:
     """Keep the recipe of a fused call for repeat calls, guarded so that a replay writes q and k
     (in place) and the caches only where they meet the other operands as the full path checked."""
     f = plan.fusion
@@ -180,3 +194,5 @@ def _keep_fused_recipe(recipe, plan: RopePlan, key) -> None:
     recipe.out_dtype = f.out_dtype
     guard_written(recipe, spans, key[1], tuple(FUSED_OPERANDS.index(name) for name in written))
     recipes.put(key[0], recipe)
+    if fast_key is not None:
+        recipes.put(fast_key, recipe)

@@ -173,6 +173,139 @@ def test_fused_repeat_calls_replay_the_launch(torch_cuda, monkeypatch, case):
     assert planned
 
 
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+@pytest.mark.parametrize("case", ["rms_norm_rope", "rms_norm_rope in place", "rope_and_cache",
+                                  "norm rope_and_cache"])
+def test_fused_repeat_calls_replay_by_the_arguments_as_given(torch_cuda, monkeypatch, case, kind):
+    """After one call of a layout, its repeats replay from the public function's own arguments:
+    the call's dicts and general key (execute.run_fused) are never reached, and each repeat
+    computes on its own new arrays; a scaling dict (no fast key) still replays through
+    run_fused."""
+    import cupy as cp
+    from cupyrope import execute
+
+    torch = torch_cuda
+    T, Hq, Hk, D = 11, 4, 2, 64
+    like = torch.empty(1, device="cuda") if kind == "torch" else cp.empty(1)
+    cache = cr.cos_sin_cache(512, D, like=like)
+
+    def new(*shape, dtype=torch.bfloat16, low=None):
+        x = (torch.randn(*shape, device="cuda", dtype=dtype) if low is None
+             else torch.rand(*shape, device="cuda", dtype=dtype) + low)
+        return x if kind == "torch" else cp.from_dlpack(x)
+
+    def call(scaling=None):
+        q, k, v = new(T, Hq, D), new(T, Hk, D), new(T, Hk, D)
+        w = new(D, dtype=torch.float32, low=0.5)
+        positions = torch.randint(0, 256, (T,), device="cuda")
+        positions = positions if kind == "torch" else cp.from_dlpack(positions)
+        rope = dict(cos_sin_cache=cache) if scaling is None else dict(scaling=scaling)
+        q0, k0 = as_numpy(q).astype(np.float64), as_numpy(k).astype(np.float64)
+        if "norm" in case:
+            q0, k0 = _rms_norm64(q0, w), _rms_norm64(k0, w)
+        if case.startswith("rms_norm_rope"):
+            result = cr.rms_norm_rope(q, k, w, w, positions, eps=1e-6,
+                                      inplace=case.endswith("in place"), **rope)
+            got = dict(zip("qk", result))
+        else:
+            k_cache = new(2, 16, Hk, D) * 0
+            v_cache = k_cache * 0
+            slots = torch.randperm(32, device="cuda")[:T]
+            slots = slots if kind == "torch" else cp.from_dlpack(slots)
+            norm = dict(q_weight=w, k_weight=w, eps=1e-6) if "norm" in case else {}
+            cr.rope_and_cache(q, k, v, positions, k_cache, v_cache, slots, **rope, **norm)
+            rows = as_numpy(slots)
+            got = {"q": q, "k": k, "cache": as_numpy(k_cache).reshape(-1, Hk, D)[rows]}
+        for name, x0 in (("q", q0), ("k", k0), ("cache", k0)):
+            if name in got:
+                exact = (reference_rope(x0, as_numpy(positions), cos_sin_cache=as_numpy(cache))
+                         if scaling is None else None)
+                if exact is not None:
+                    bound = np.max(np.abs(exact), axis=-1, keepdims=True) * 2.0 ** -7
+                    value = as_numpy(got[name]).astype(np.float64)
+                    assert np.all(np.abs(value - exact) <= bound), (case, name)
+
+    execute.clear()
+    call()  # plans in full; keeps the recipe under both keys
+    general = execute.run_fused
+    reached = []
+    monkeypatch.setattr(execute, "run_fused",
+                        lambda *args, **kwargs: reached.append(1) or general(*args, **kwargs))
+    for _ in range(3):
+        call()
+    assert not reached
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    call(scaling)
+    call(scaling)  # a repeat without a fast key: through run_fused's general key
+    assert len(reached) == 2
+
+
+FUSED_MUTATIONS = {
+    "eps": [1e-6, 1e-5, 0, "1e-6", True, np.float32(1e-6)],
+    "weight_offset": [0.0, 1.0, 0, True],
+    "norm_over": ["head", "all_heads", "heads"],
+    "inplace": [False, True, 1],
+    "out_dtype": [None, "float8_e4m3fn", "float16", "fp8"],
+    "q_scale": [None, 0.5, 2, True, "per_head", "half"],
+    "interleaved": [False, True, 1],
+}
+
+
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+@pytest.mark.parametrize("name,index", [(name, index) for name, values in FUSED_MUTATIONS.items()
+                                        for index in range(1, len(values))])
+def test_fused_repeat_calls_accept_exactly_what_the_full_path_accepts(torch_cuda, name, index,
+                                                                     kind):
+    """rms_norm_rope with one argument changed: its outcome (results, or the exception and its
+    message) with nothing cached is its outcome as a repeat call of a cached layout."""
+    import cupy as cp
+    from cupyrope import execute
+
+    torch = torch_cuda
+    if name in ("out_dtype", "q_scale") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 outputs need sm_89")
+    rng = np.random.default_rng(3)
+    host = {"q": rng.standard_normal((8, 4, 64)), "k": rng.standard_normal((8, 2, 64)),
+            "w": rng.uniform(0.5, 1.5, 64)}
+    positions_host = rng.integers(0, 64, 8)
+    options = {option: values[0] for option, values in FUSED_MUTATIONS.items()}
+    options[name] = FUSED_MUTATIONS[name][index]
+
+    def array(x, dtype):
+        x = torch.from_numpy(x).to(device="cuda", dtype=dtype)
+        return x if kind == "torch" else cp.from_dlpack(x)
+
+    def call(**chosen):
+        q, k = array(host["q"], torch.bfloat16), array(host["k"], torch.bfloat16)
+        heads = (4, 2) if chosen["norm_over"] == "all_heads" else (1, 1)  # a weight per element
+        q_weight, k_weight = (array(np.tile(host["w"], h), torch.float32) for h in heads)
+        k_scale = 0.5 if chosen["out_dtype"] not in (None, "float16") else None
+        return cr.rms_norm_rope(q, k, q_weight, k_weight, array(positions_host, torch.int64),
+                                eps=chosen["eps"], weight_offset=chosen["weight_offset"],
+                                norm_over=chosen["norm_over"], inplace=chosen["inplace"],
+                                out_dtype=chosen["out_dtype"], q_scale=chosen["q_scale"],
+                                k_scale=k_scale, interleaved=chosen["interleaved"])
+
+    def outcome(**chosen):
+        try:
+            result = call(**chosen)
+        except Exception as exc:  # noqa: BLE001 - the exception is the outcome compared
+            return ("raises", type(exc), str(exc))
+        results = result if isinstance(result, tuple) else (result,)
+        return ("returns", tuple(type(r) for r in results),
+                tuple(as_numpy(r.view(torch.uint8) if kind == "torch" and r.dtype.itemsize == 1
+                               else r).tobytes() for r in results))
+
+    execute.clear()
+    full = outcome(**options)  # nothing cached: the full path decides
+    call(**{option: values[0] for option, values in FUSED_MUTATIONS.items()})  # cached
+    if full[0] == "returns":
+        call(**options)  # a second, cached call of the mutated one
+    cached = outcome(**options)
+    assert cached[:2] == full[:2], (name, options[name], full[:2], cached[:2])
+    assert cached[2] == full[2]
+
+
 def test_fused_repeat_call_still_refuses_a_cache_over_q(torch_cuda):
     """A repeat call whose k cache now shares q's memory (same shapes, strides and alignment as
     the cached call) goes to the full path, which refuses it before writing anything."""

@@ -124,3 +124,59 @@ def test_fused_keys_leave_arrays_in_option_places_to_the_full_path():
     assert _fused_key(q, k, eps=np.float32(1e-6)) is None  # an array-like where a number goes
     assert _fused_key(q, k, q_scale=np.ones(1, np.float32)) is None  # a host array as a scale
     assert _fused_key(q, k, rope={"theta": [1.0]}) is None  # unhashable
+
+
+# The fast key: formed from a public function's own arguments before its dicts are built.
+
+
+def _fast_key(q, k, *, eps=1e-6, weight_offset=0.0, q_scale=None, k_scale=None, scaling=None,
+              inplace=False, out_dtype=None, q_weight=None, norm_over="head"):
+    w = _array((64,), (1,)) if q_weight is None else q_weight
+    arrays = (q, k, None, None, None, None, w, w, q_scale, k_scale)
+    options = (eps, weight_offset, 10000.0, scaling, False, None, False, inplace, None, out_dtype,
+               norm_over)
+    return recipes.fast_fused_key("rms_norm_rope", arrays, options)
+
+
+def test_fast_keys_hold_every_operand_option_and_type():
+    q, k = _array((4, 2, 64), (128, 64, 1)), _array((4, 1, 64), (64, 64, 1))
+    base = _fast_key(q, k)
+    assert base is not None and len(base[1]) == len(recipes.FUSED_OPERANDS)
+    assert base == _fast_key(q, k)
+    others = [
+        _fast_key(q, k, eps=1e-5),
+        _fast_key(q, k, weight_offset=0),  # the same value as an int: another type
+        _fast_key(q, k, weight_offset=1.0),
+        _fast_key(q, k, inplace=True),
+        _fast_key(q, k, inplace=1),  # the full path refuses it: never replayed as True
+        _fast_key(q, k, norm_over="all_heads"),
+        _fast_key(q, k, q_weight=_array((64,), (2,))),  # a strided weight
+        _fast_key(_array((4, 2, 64), (64, 256, 1)), k),  # transposed q
+        _fast_key(q, k, out_dtype="float8_e4m3fn", q_scale=0.5, k_scale=0.5),
+        _fast_key(q, k, out_dtype="float8_e4m3fn", q_scale=0.25, k_scale=0.5),
+        _fast_key(q, k, out_dtype="float8_e4m3fn", q_scale=0.25, k_scale=1),
+        _fast_key(q, k, out_dtype="float8_e4m3fn", q_scale=_array((), ()), k_scale=0.5),
+    ]
+    keys = [base[0]] + [other[0] for other in others]
+    assert len(set(keys)) == len(keys)
+    assert recipes.fast_fused_key("rope_and_cache", (q, k), ())[0] != \
+        recipes.fast_fused_key("rms_norm_rope", (q, k), ())[0]
+    # Pointers in FUSED_OPERANDS order, as the general key's: a replay patches them alike.
+    scaled = _fast_key(q, k, out_dtype="float8_e4m3fn", q_scale=_array((), ()), k_scale=0.5)
+    general = _fused_key(q, k, out_dtype="float8_e4m3fn", q_scale=0.5, k_scale=0.5)
+    index = recipes.FUSED_OPERANDS.index
+    assert scaled[1][index("q_scale")] != 0 and scaled[1][index("k_scale")] == 0
+    assert scaled[1][:2] == general[1][:2] and scaled[1][index("v"):] == [0, 0, 0, 0]
+
+
+def test_fast_keys_leave_every_call_the_full_path_must_see():
+    import numpy as np
+
+    q, k = _array((4, 2, 64), (128, 64, 1)), _array((4, 1, 64), (64, 64, 1))
+    assert _fast_key(q, k, scaling={"rope_type": "linear", "factor": 2.0}) is None  # a dict
+    assert _fast_key(q, k, eps=np.float32(1e-6)) is None  # an array-like where a number goes
+    assert _fast_key(q, k, out_dtype=np.dtype("float16")) is None  # a dtype object
+    assert _fast_key(q, k, q_scale="per_head") is None  # the full path makes the scale arrays
+    assert _fast_key(q, k, q_scale=True) is None  # a bool scale: the full path refuses it
+    assert _fast_key(q, k, q_scale=np.ones(1, np.float32)) is None  # a host array as a scale
+    assert _fast_key(q, np.ones((4, 1, 64))) is None  # a host array as an operand

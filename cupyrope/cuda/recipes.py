@@ -324,6 +324,38 @@ def fused_call_key(op_name: str, q, k, positions, rope: dict, fusion: dict):
     return key, pointers
 
 
+# The scale operands' places in FUSED_OPERANDS: a number there is keyed as an option.
+_SCALE_PLACES = tuple(sorted(_SCALE_INDICES))
+_NUMBER_TYPES = frozenset((int, float, type(None)))
+
+
+def fast_fused_key(op_name: str, arrays: tuple, options: tuple):
+    """(hashable key, pointers in FUSED_OPERANDS order) of a fused call from the public
+    function's own arguments, else None: ``arrays`` the call's operands in FUSED_OPERANDS order
+    (a leading part of it; the rest are absent), ``options`` its other arguments in the
+    function's order. Only calls whose options are all of plain types (numbers, strings, bools,
+    None) and whose scales are numbers or CUDA arrays get one; the others are keyed by
+    :func:`fused_call_key` after the call's dicts are built. A fast key stands for exactly one
+    general key: the op, every operand's metadata and every option with its type (measured:
+    docs/perf_log.md#host-time-of-a-fused-repeat-call-before-its-dicts)."""
+    types = tuple(map(type, options))
+    if not _PLAIN_OPTION_TYPES.issuperset(types):
+        return None  # a dict (scaling), a dtype object or an array where an option goes
+    operands = _operands_key(arrays, _SCALE_INDICES)
+    if operands is None:
+        return None
+    metas, pointers = operands
+    numbers = ()
+    for place in _SCALE_PLACES:  # a scale given as a number is an option of the key
+        if place < len(arrays) and metas[place] is None:
+            scale = arrays[place]
+            if type(scale) not in _NUMBER_TYPES:
+                return None  # "per_head" and other strings: the full path makes or refuses them
+            numbers += (place, type(scale), scale)
+    pointers += [0] * (len(FUSED_OPERANDS) - len(pointers))
+    return (op_name, tuple(metas), options, types, numbers), pointers
+
+
 def _is_array(x) -> bool:
     return hasattr(x, "__dlpack__") or hasattr(x, "__array__") or hasattr(x, "__cuda_array_interface__")
 
