@@ -79,7 +79,17 @@ def count_cases(peer, peer_dir, test_file, args, workdir) -> tuple[int, str, int
     return total, done.stdout + done.stderr, done.returncode
 
 
+_EXCEPTION_LINE = re.compile(r"E\s+([\w.]+(Error|Exception|Warning)\b.*)")
+
+
 def first_error_line(message: str) -> str:
+    """The line that names the exception (``E   torch.OutOfMemoryError: ...``), else the first
+    ``E`` line (an assertion's own text), else the last line: pytest puts a failed comparison's
+    operands, tensors included, on ``E`` lines before the exception."""
+    for line in message.splitlines():
+        named = _EXCEPTION_LINE.match(line)
+        if named:
+            return named[1].strip()[:160]
     for line in message.splitlines():
         if line.startswith("E "):
             return line[1:].strip()[:160]
@@ -156,14 +166,29 @@ def run_file(entry: dict, args, workdir: Path, deadline: float | None) -> dict:
     if collected.exists():
         row["total"] = int(collected.read_text())
     if results_path.exists():
-        counts, missing, messages = classify(json.loads(results_path.read_text()))
+        results = json.loads(results_path.read_text())
+        counts, missing, messages = classify(results)
         row.update(counts=counts, missing=missing, messages=messages)
+        if args.failures:
+            save_failures(results, entry, args.failures)
     else:  # pytest never got to write results (an internal error, a timeout)
         row["counts"]["errors"] += 1
         row["messages"][output.strip().splitlines()[-1] if output.strip() else "?"] += 1
     if args.verbose:
         print(output[-6000:])
     return row
+
+
+def save_failures(results: dict, entry: dict, folder: Path) -> None:
+    """Each failed or errored case of a file, by its id, with the last 80 lines of its message
+    (JSON in ``folder``, one file a test file and shard), to rerun or read them."""
+    failed = {case_id: "\n".join(case["message"].splitlines()[-80:])
+              for case_id, case in results["cases"].items()
+              if case["outcome"] in ("failed", "error") and MARKER not in case["message"]}
+    if failed:
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"{entry['peer']}-{Path(entry['path']).stem}-{os.getpid()}.json"
+        (folder / name).write_text(json.dumps(failed, indent=1))
 
 
 def print_tables(rows: list[dict], args) -> None:
@@ -252,6 +277,8 @@ def main(argv=None) -> int:
                         help="run nothing: sum the rows saved by earlier runs (the shards of "
                              "the same files) and print their tables")
     parser.add_argument("--messages", type=int, default=5, help="failure messages shown per file")
+    parser.add_argument("--failures", type=Path, default=None,
+                        help="write each failed case's id and message into this folder (JSON)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print pytest's output")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args(argv)
