@@ -240,6 +240,41 @@ def test_fused_repeat_calls_replay_by_the_arguments_as_given(torch_cuda, monkeyp
     assert len(reached) == 2
 
 
+def test_parameters_replay_under_no_grad_and_take_autograd_with_it(torch_cuda, monkeypatch):
+    """Norm weights that are nn.Parameters (a model's, as a patched layer passes them) replay
+    under torch.no_grad() like plain tensors; with grad mode on the call is autograd's (a
+    differentiable output), not a replay of the recipe kept without it."""
+    from cupyrope import execute
+
+    torch = torch_cuda
+    T, H, D = 5, 4, 64
+    cache = cr.cos_sin_cache(256, D, like=torch.empty(1, device="cuda"))
+    positions = torch.arange(T, device="cuda")
+    weight = torch.nn.Parameter(torch.rand(D, device="cuda") + 0.5)
+
+    def call():
+        q = torch.randn(T, H, D, device="cuda")
+        out = cr.rms_norm_rope(q, None, weight, None, positions, eps=1e-6, cos_sin_cache=cache)
+        exact = reference_rope(_rms_norm64(q, weight.detach()), as_numpy(positions),
+                               cos_sin_cache=as_numpy(cache))
+        np.testing.assert_allclose(as_numpy(out.detach()), exact, rtol=1e-5, atol=1e-5)
+        return out
+
+    execute.clear()
+    with torch.no_grad():
+        call()  # planned in full, the recipe kept
+        planned = []
+        full_path = execute.plan_fused
+        monkeypatch.setattr(execute, "plan_fused", lambda *args, **kwargs: planned.append(1)
+                            or full_path(*args, **kwargs))
+        assert not call().requires_grad
+        assert not planned
+    out = call()
+    assert out.requires_grad
+    out.sum().backward()
+    assert weight.grad is not None and torch.isfinite(weight.grad).all()
+
+
 FUSED_MUTATIONS = {
     "eps": [1e-6, 1e-5, 0, "1e-6", True, np.float32(1e-6)],
     "weight_offset": [0.0, 1.0, 0, True],

@@ -351,3 +351,25 @@ def test_rope_and_cache_under_vmap_keeps_the_callback(device, rng):
         for new, old in ((k_new, caches[0]), (v_new, caches[1])):
             rows = np.asarray(new)[b].reshape(-1, H, D)
             assert np.array_equal(rows[kept], old[b].reshape(-1, H, D)[kept])
+
+
+def test_callback_route_runs_on_xla_stream_without_warnings(device, rng, monkeypatch):
+    """The callback route (CUPYROPE_JAX_NATIVE=0) launches on XLA's stream through CuPy's stream
+    protocol: the results are the eager ones and no call warns (CuPy 14 deprecates
+    ExternalStream with a warning a call)."""
+    import warnings
+
+    monkeypatch.setenv("CUPYROPE_JAX_NATIVE", "0")
+    T, H, D = 7, 4, 64
+    x = random_host(rng, (T, H, D), "float32")
+    positions = rng.integers(0, MAX_POSITION, T).astype(np.int32)
+    cache = cr.cos_sin_cache(MAX_POSITION, D)
+    q, p = jax.device_put(x, device), jax.device_put(positions, device)
+    f = jax.jit(lambda q, p: cr.apply_rope(q, positions=p, cos_sin_cache=cache))
+    assert NATIVE not in _hlo(f, q, p)
+    f(q, p).block_until_ready()  # the first call warns once that it takes the callback route
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = np.asarray(f(q, p).block_until_ready())
+    assert_rope_close(got, reference_rope(x, positions, cos_sin_cache=cache), x,
+                      interleaved=False, rotary_dim=D)

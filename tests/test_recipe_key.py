@@ -180,3 +180,33 @@ def test_fast_keys_leave_every_call_the_full_path_must_see():
     assert _fast_key(q, k, q_scale=True) is None  # a bool scale: the full path refuses it
     assert _fast_key(q, k, q_scale=np.ones(1, np.float32)) is None  # a host array as a scale
     assert _fast_key(q, np.ones((4, 1, 64))) is None  # a host array as an operand
+
+
+def test_tensors_that_require_grad_are_keyed_only_with_grad_mode_off(monkeypatch):
+    """A parameter (requires_grad) is a plain operand under torch.no_grad(), as the full path
+    takes it; with grad mode on its call is autograd's and forms no key. (CPU tensors stand in
+    for CUDA ones: get_device answers 0.)"""
+    torch = pytest.importorskip("torch")
+    from cupyrope.core import arrays as array_info
+
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    for kind in (torch.Tensor, torch.nn.Parameter):  # as the first sight of each type records
+        monkeypatch.setitem(array_info.GPU_KINDS, kind, "torch")
+    q, k = torch.zeros(4, 2, 64), torch.zeros(4, 1, 64)
+    weight = torch.nn.Parameter(torch.ones(64))
+    arrays = (q, k, None, None, None, None, weight, weight)
+    options = (1e-6, 0.0, 10000.0, None, False, None, False, True, None, None, "head")
+    assert recipes.fast_fused_key("rms_norm_rope", arrays, options) is None
+    with torch.no_grad():
+        keyed = recipes.fast_fused_key("rms_norm_rope", arrays, options)
+        detached = recipes.fast_fused_key("rms_norm_rope", arrays[:6] + (weight.detach(),) * 2,
+                                          options)
+    assert keyed is not None and keyed[1] == detached[1]
+    with torch.inference_mode():
+        assert recipes.fast_fused_key("rms_norm_rope", arrays, options) == keyed
+    q.requires_grad_(True)
+    assert recipes.call_key(q, None, None, None, None, None,
+                            (10000.0, None, False, None, False, False, None)) is None
+    with torch.no_grad():
+        assert recipes.call_key(q, None, None, None, None, None,
+                                (10000.0, None, False, None, False, False, None)) is not None

@@ -390,10 +390,6 @@ def _norm_rotation(q_attr: str, k_attr: str, norms_after_transpose: bool, rotary
                     and (not over_projection
                          or (q_weight.numel() == q.shape[-2] * q.shape[-1]
                              and k_weight.numel() == k.shape[-2] * k.shape[-1]))):
-                if not _grad_enabled():
-                    # Parameters require grad even under no_grad / inference_mode, which keeps
-                    # a call off the repeat-call path: without autograd they are plain arrays.
-                    q_weight, k_weight = q_weight.detach(), k_weight.detach()
                 q, k = rms_norm_rope(q, k, q_weight, k_weight, eps=eps,
                                      weight_offset=form.weight_offset, cos=cos, sin=sin,
                                      norm_over=norm_over,

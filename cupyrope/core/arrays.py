@@ -362,12 +362,14 @@ def gpu_array_key(x):
 
     The metadata is everything a launch recipe depends on: type, shape, strides, dtype, device and
     the pointer's alignment (the 16-byte path needs 16-byte-aligned pointers). torch tensors that
-    require grad are left to the full path, which decides what to do with them.
+    require grad while grad mode is on are left to the full path, which sends them to autograd;
+    with grad mode off they are plain arrays, as the full path takes them (a module's parameters
+    under ``torch.no_grad()``).
     """
     kind = _gpu_kind(x)
     if kind == "torch":
         device = x.get_device()  # -1 on the CPU; cheaper than x.device / x.is_cuda
-        if device < 0 or x.requires_grad:
+        if device < 0 or (x.requires_grad and grad_enabled()):
             return None
         ptr = x.data_ptr()
         return (type(x), x.shape, x.stride(), x.dtype, device, ptr & 15), ptr
@@ -399,12 +401,17 @@ def _torch_function(name: str):
         torch = _torch()
         function = _torch_functions[name] = {
             "is_inference_mode_enabled": torch.is_inference_mode_enabled,
+            "is_grad_enabled": torch.is_grad_enabled,
             "increment_version": torch._C._increment_version}[name]
     return function
 
 
 def inference_mode_enabled() -> bool:
     return _torch_function("is_inference_mode_enabled")()
+
+
+def grad_enabled() -> bool:
+    return _torch_function("is_grad_enabled")()
 
 
 def mark_written(*tensors) -> None:

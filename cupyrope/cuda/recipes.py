@@ -15,7 +15,7 @@ import threading
 
 from ..core.abi import DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, PARAMS_DTYPE
 from ..core.arrays import (GPU_KINDS, bump_versions, cupy_module, current_stream, gpu_array_key,
-                     inference_mode_enabled, new_gpu_outputs)
+                     grad_enabled, inference_mode_enabled, new_gpu_outputs)
 from .dependent_launch import DependentLauncher
 from ..core.scaling import exact_key
 
@@ -187,8 +187,8 @@ def _operands_key(arrays, numbers_at=frozenset()):
             pointers.append(0)
         elif kinds.get(type(x)) == "torch":
             device = x.get_device()
-            if device < 0 or x.requires_grad:
-                return None
+            if device < 0 or (x.requires_grad and grad_enabled()):
+                return None  # CPU, or autograd's (grad mode off: a plain array, as gpu_array_key)
             ptr = x.data_ptr()
             metas.append((type(x), x.shape, x.stride(), x.dtype, device, ptr & 15))
             pointers.append(ptr)

@@ -78,8 +78,29 @@ def _on_buffers(ctx, buffers, outs, body) -> None:
     outputs = [cupy_view_of_buffer(b) for b in outs]
     cupy = cupy_module()
     device = outputs[0].device.id
-    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(ctx.stream, device):
+    with cupy.cuda.Device(device), _xla_stream(cupy, ctx.stream, device):
         body(inputs, outputs)
+
+
+class _StreamHandle:
+    """XLA's stream handle through the CUDA stream protocol, as CuPy 14 takes external streams."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
+
+
+def _xla_stream(cupy, handle: int, device: int):
+    """A CuPy stream on XLA's stream ``handle`` (``Stream.from_external``; CuPy 13 has only
+    ``ExternalStream``, which CuPy 14 deprecates with a warning on every call)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(handle, device)
+    return from_external(_StreamHandle(handle))
 
 
 def _fused_callback_call(fused: FusedCall, arrays: tuple) -> tuple:
