@@ -281,7 +281,7 @@ FUSED_MUTATIONS = {
     "norm_over": ["head", "all_heads", "heads"],
     "inplace": [False, True, 1],
     "out_dtype": [None, "float8_e4m3fn", "float16", "fp8"],
-    "q_scale": [None, 0.5, 2, True, "per_head", "half"],
+    "q_scale": [None, 0.5, 0.125, 2, True, "per_head", "half"],  # with fp8 outputs
     "interleaved": [False, True, 1],
 }
 
@@ -294,7 +294,6 @@ def test_fused_repeat_calls_accept_exactly_what_the_full_path_accepts(torch_cuda
     """rms_norm_rope with one argument changed: its outcome (results, or the exception and its
     message) with nothing cached is its outcome as a repeat call of a cached layout."""
     import cupy as cp
-    from cupyrope import execute
 
     torch = torch_cuda
     if name in ("out_dtype", "q_scale") and torch.cuda.get_device_capability() < (8, 9):
@@ -303,8 +302,10 @@ def test_fused_repeat_calls_accept_exactly_what_the_full_path_accepts(torch_cuda
     host = {"q": rng.standard_normal((8, 4, 64)), "k": rng.standard_normal((8, 2, 64)),
             "w": rng.uniform(0.5, 1.5, 64)}
     positions_host = rng.integers(0, 64, 8)
-    options = {option: values[0] for option, values in FUSED_MUTATIONS.items()}
-    options[name] = FUSED_MUTATIONS[name][index]
+    base = {option: values[0] for option, values in FUSED_MUTATIONS.items()}
+    if name == "q_scale":  # cached with another number: the key holds a number scale's value
+        base.update(out_dtype="float8_e4m3fn", q_scale=0.5)
+    options = dict(base, **{name: FUSED_MUTATIONS[name][index]})
 
     def array(x, dtype):
         x = torch.from_numpy(x).to(device="cuda", dtype=dtype)
@@ -315,30 +316,117 @@ def test_fused_repeat_calls_accept_exactly_what_the_full_path_accepts(torch_cuda
         heads = (4, 2) if chosen["norm_over"] == "all_heads" else (1, 1)  # a weight per element
         q_weight, k_weight = (array(np.tile(host["w"], h), torch.float32) for h in heads)
         k_scale = 0.5 if chosen["out_dtype"] not in (None, "float16") else None
+        if chosen["q_scale"] == "per_head":  # both per row (new scale arrays each call)
+            k_scale = "per_head"
         return cr.rms_norm_rope(q, k, q_weight, k_weight, array(positions_host, torch.int64),
                                 eps=chosen["eps"], weight_offset=chosen["weight_offset"],
                                 norm_over=chosen["norm_over"], inplace=chosen["inplace"],
                                 out_dtype=chosen["out_dtype"], q_scale=chosen["q_scale"],
                                 k_scale=k_scale, interleaved=chosen["interleaved"])
 
-    def outcome(**chosen):
+    _assert_repeat_outcome_is_the_full_paths(call, options, base, name)
+
+
+def _outcome_bytes(result) -> tuple:
+    """("returns", the result's types, each array's bytes) of a call's result (fp8 tensors read
+    as their bits)."""
+    import torch
+
+    results = result if isinstance(result, tuple) else (result,)
+    return ("returns", tuple(type(r) for r in results),
+            tuple(as_numpy(r.view(torch.uint8) if isinstance(r, torch.Tensor)
+                           and r.dtype.itemsize == 1 else r).tobytes() for r in results))
+
+
+def _assert_repeat_outcome_is_the_full_paths(call, options, base, name) -> None:
+    """``call(**options)``'s outcome (results, or the exception and its message) with nothing
+    cached equals its outcome as a repeat call after ``call(**base)`` (the same layout, cached)
+    and, when it returns, after one call of its own."""
+    from cupyrope import execute
+
+    def outcome():
         try:
-            result = call(**chosen)
+            return _outcome_bytes(call(**options))
         except Exception as exc:  # noqa: BLE001 - the exception is the outcome compared
             return ("raises", type(exc), str(exc))
-        results = result if isinstance(result, tuple) else (result,)
-        return ("returns", tuple(type(r) for r in results),
-                tuple(as_numpy(r.view(torch.uint8) if kind == "torch" and r.dtype.itemsize == 1
-                               else r).tobytes() for r in results))
 
     execute.clear()
-    full = outcome(**options)  # nothing cached: the full path decides
-    call(**{option: values[0] for option, values in FUSED_MUTATIONS.items()})  # cached
+    full = outcome()  # nothing cached: the full path decides
+    call(**base)  # cached
     if full[0] == "returns":
         call(**options)  # a second, cached call of the mutated one
-    cached = outcome(**options)
+    cached = outcome()
     assert cached[:2] == full[:2], (name, options[name], full[:2], cached[:2])
     assert cached[2] == full[2]
+
+
+CACHE_MUTATIONS = {
+    "layout": ["NHD", "HND", "nhd"],
+    "cache": ["same", "fp8"],
+    "k_scale": [None, 0.5, 0.125, 2, True, "x"],  # with an fp8 cache
+    "v_scale": [None, 0.25, 0.5, True],
+    "inplace": [True, False, 1],
+    "norm": ["head", None, "all_heads"],
+    "eps": [1e-6, 0, "1e-6"],
+    "interleaved": [False, True, 1],
+}
+
+
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+@pytest.mark.parametrize("name,index", [(name, index) for name, values in CACHE_MUTATIONS.items()
+                                        for index in range(1, len(values))])
+def test_cache_write_repeat_calls_accept_exactly_what_the_full_path_accepts(torch_cuda, name,
+                                                                            index, kind):
+    """rope_and_cache with one argument changed: its outcome (q and k, both caches, or the
+    exception and its message) with nothing cached is its outcome as a repeat call."""
+    import cupy as cp
+
+    torch = torch_cuda
+    if name == "cache" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 caches need sm_89")
+    rng = np.random.default_rng(4)
+    T, Hq, Hk, D, blocks, block_size = 6, 4, 2, 64, 2, 8
+    host = {"q": rng.standard_normal((T, Hq, D)), "k": rng.standard_normal((T, Hk, D)),
+            "v": rng.standard_normal((T, Hk, D)), "w": rng.uniform(0.5, 1.5, D)}
+    positions_host = rng.integers(0, 64, T)
+    slots_host = rng.permutation(blocks * block_size)[:T]
+    slots_host[2] = -1  # padding
+    base = {option: values[0] for option, values in CACHE_MUTATIONS.items()}
+    if name in ("k_scale", "v_scale"):  # cached with other numbers: the key holds their values
+        base.update(cache="fp8", k_scale=0.5, v_scale=0.25)
+    options = dict(base, **{name: CACHE_MUTATIONS[name][index]})
+
+    def array(x, dtype):
+        x = torch.from_numpy(np.ascontiguousarray(x)).to(device="cuda", dtype=dtype)
+        return x if kind == "torch" else cp.from_dlpack(x)
+
+    def call(**chosen):
+        q, k, v = (array(host[x], torch.bfloat16) for x in "qkv")
+        shape = ((blocks, Hk, block_size, D) if chosen["layout"] == "HND"
+                 else (blocks, block_size, Hk, D))
+        cache_dtype = None
+        if chosen["cache"] == "fp8" and kind == "torch":
+            caches = [torch.zeros(shape, device="cuda", dtype=torch.float8_e4m3fn)
+                      for _ in range(2)]
+        elif chosen["cache"] == "fp8":  # CuPy holds fp8 caches as their bits
+            caches, cache_dtype = [cp.zeros(shape, np.uint8) for _ in range(2)], "float8_e4m3fn"
+        else:
+            caches = [array(np.zeros(shape), torch.bfloat16) for _ in range(2)]
+        norm = {}
+        if chosen["norm"] is not None:
+            heads = (Hq, Hk) if chosen["norm"] == "all_heads" else (1, 1)
+            q_weight, k_weight = (array(np.tile(host["w"], h), torch.float32) for h in heads)
+            norm = dict(q_weight=q_weight, k_weight=k_weight, eps=chosen["eps"],
+                        norm_over=chosen["norm"])
+        result = cr.rope_and_cache(q, k, v, array(positions_host, torch.int64), *caches,
+                                   array(slots_host, torch.int64), layout=chosen["layout"],
+                                   k_scale=chosen["k_scale"], v_scale=chosen["v_scale"],
+                                   cache_dtype=cache_dtype, inplace=chosen["inplace"],
+                                   interleaved=chosen["interleaved"], **norm)
+        assert result[2] is caches[0] and result[3] is caches[1]
+        return result
+
+    _assert_repeat_outcome_is_the_full_paths(call, options, base, name)
 
 
 def test_fused_repeat_call_still_refuses_a_cache_over_q(torch_cuda):
