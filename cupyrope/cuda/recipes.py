@@ -337,7 +337,7 @@ def fast_fused_key(op_name: str, arrays: tuple, options: tuple):
     None) and whose scales are numbers or CUDA arrays get one; the others are keyed by
     :func:`fused_call_key` after the call's dicts are built. A fast key stands for exactly one
     general key: the op, every operand's metadata and every option with its type (measured:
-    docs/perf_log.md#host-time-of-a-fused-repeat-call-before-its-dicts)."""
+    docs/perf_log.md#host-time-of-a-fused-repeat-call-before-its-dicts-2026-11-28)."""
     types = tuple(map(type, options))
     if not _PLAIN_OPTION_TYPES.issuperset(types):
         return None  # a dict (scaling), a dtype object or an array where an option goes
