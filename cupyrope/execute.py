@@ -9,6 +9,8 @@ Design notes: docs/architecture.md#executepy
 
 from __future__ import annotations
 
+import threading
+
 from .core.arrays import ArrayInfo, describe, empty_like_caller, finish, host_view, mark_written
 from .core.fused_plan import plan_fused
 from .core.numpy_path import fused_on_host, rotate_on_host
@@ -123,6 +125,25 @@ def clear() -> None:
     recipes.clear()
 
 
+# The recipe the calling thread's last fused call through run_fused kept or replayed, for adapters
+# that reshape their arguments (cupyrope.compat.vllm): they keep it under a key of the arguments
+# as they were given.
+_kept = threading.local()
+
+
+def watch_kept() -> None:
+    """Forget the calling thread's kept recipe: :func:`kept_recipe` then answers for the fused
+    calls made after this one only."""
+    _kept.recipe = None
+
+
+def kept_recipe():
+    """The launch recipe of the calling thread's last fused call through :func:`run_fused` since
+    :func:`watch_kept` (planned and kept, or replayed by its general key), else None (the NumPy
+    path, a frontend's route, a call replayed by its fast key, or none at all)."""
+    return getattr(_kept, "recipe", None)
+
+
 def replay_fast(found, q, k, caches, inplace: bool):
     """A fused call's repeat by its fast key (:func:`cupyrope.cuda.recipes.fast_fused_key`, formed
     from the public function's own arguments before any dict is built): the outputs as
@@ -158,6 +179,7 @@ def run_fused(op_name: str, q, k, positions, *, rope: dict, fusion: dict, valida
         if recipe is not None:
             result = replay_fused(recipe, q, k, caches, key[1], rope["inplace"])
             if result is not None:
+                _kept.recipe = recipe
                 return result
 
     plan = plan_fused(op_name, q, k, positions, rope=rope, fusion=fusion, validate=validate)
@@ -196,3 +218,4 @@ def _keep_fused_recipe(recipe, plan: RopePlan, key, fast_key=None) -> None:
     recipes.put(key[0], recipe)
     if fast_key is not None:
         recipes.put(fast_key, recipe)
+    _kept.recipe = recipe

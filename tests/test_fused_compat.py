@@ -281,6 +281,45 @@ def test_vllm_rope_and_cache_caches_only_the_slotted_tokens(backend, rng, randn)
     _assert_rounded_once(got, k_rot, "bfloat16", "key, padded tokens included")
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("scales", ["tensors", "numbers"])
+@pytest.mark.parametrize("flat_value", [True, False])
+def test_vllm_rope_and_cache_repeat_key_points_where_its_launch_does(rng, randn, monkeypatch,
+                                                                     kv_cache_dtype, scales,
+                                                                     flat_value):
+    """The adapter's repeat key on its tensors as given holds the pointers of the rope_and_cache
+    call it makes, in that call's order (the head views and the scales' 0-d views share the
+    given tensors' pointers; "auto" caches take no scale pointers), so the launch that call kept
+    replays on them. (CPU tensors stand in for CUDA ones: get_device answers 0.)"""
+    from cupyrope import api
+    from cupyrope.compat import vllm
+    from cupyrope.core import arrays as array_info
+
+    backend = Backend("torch")
+    (q, k, v), positions, table, buffer, (query, key, value) = _kv_case(backend, rng, randn)
+    T, Hk, D = k.shape
+    if flat_value:
+        value = value.reshape(T, Hk * D)
+    caches = _poisoned_caches(backend, VLLM_FP8.get(kv_cache_dtype), (4, 16, Hk, D), "NHD")
+    k_scale, v_scale = ((torch.tensor([0.5]), torch.tensor(2.0)) if scales == "tensors"
+                        else (0.5, 2.0))
+    args = (backend.put(positions), query, key, value, *caches,
+            backend.put(rng.permutation(64)[:T]), kv_cache_dtype, k_scale, v_scale, D,
+            backend.put(table), True)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setitem(array_info.GPU_KINDS, torch.Tensor, "torch")
+    made = []
+    keyed = api.fast_fused_key
+    monkeypatch.setattr(api, "fast_fused_key", lambda *a: made.append(keyed(*a)) or made[-1])
+    outer = vllm._flat_cache_key("rope_and_reshape_and_cache_flash", *args)
+    compat.rope_and_reshape_and_cache_flash(*args)
+    (inner,) = made
+    assert outer is not None and inner is not None and outer[0] != inner[0]
+    assert outer[1] == inner[1]
+    scale_pointers = [outer[1][at] for at in vllm._SCALE_POINTERS]
+    assert (scale_pointers == [0, 0]) == (kv_cache_dtype == "auto" or scales == "numbers")
+
+
 @pytest.mark.parametrize("case,error,match", [
     ("kv_cache_dtype", ValueError, "kv_cache_dtype must be one of"),
     ("auto_uint8", TypeError, "must hold key's dtype"),

@@ -18,6 +18,26 @@ def torch_cuda():
     return torch
 
 
+def _counting(monkeypatch, module, name: str) -> list:
+    """Patch ``module.<name>`` to record each call (and still make it); returns the record."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name,
+                        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    return calls
+
+
+def _repeats_skip(call, monkeypatch, *skipped) -> list:
+    """``call()`` once (planned in full, its recipe kept under the caller's key), then three
+    repeats during which none of ``skipped`` ((module, name) pairs) may run; returns their
+    records, which keep counting."""
+    call()
+    records = [_counting(monkeypatch, module, name) for module, name in skipped]
+    for _ in range(3):
+        call()
+    assert not any(records)
+    return records
+
+
 def _check(out, x, positions, cache, interleaved=False):
     ref = reference_rope(as_numpy(x), as_numpy(positions), cos_sin_cache=as_numpy(cache),
                          interleaved=interleaved)
@@ -481,18 +501,61 @@ def test_vllm_adapter_repeat_calls_replay_on_the_flat_tensors(torch_cuda, monkey
             assert_rope_close(as_numpy(got.view(x.shape)), ref, x, interleaved=not is_neox,
                               rotary_dim=R)
 
-    call()  # plans in full and keeps the recipe under the adapter's key
-    planned, viewed = [], []
-    full_path, views = execute.plan_rope, vllm.heads_view
-    monkeypatch.setattr(execute, "plan_rope",
-                        lambda *args, **kwargs: planned.append(1) or full_path(*args, **kwargs))
-    monkeypatch.setattr(vllm, "heads_view",
-                        lambda *args, **kwargs: viewed.append(1) or views(*args, **kwargs))
-    for _ in range(3):
-        call()
-    assert not planned and not viewed
+    planned, viewed = _repeats_skip(call, monkeypatch, (execute, "plan_rope"),
+                                    (vllm, "heads_view"))
     call(head_size=32)  # the same flat layout split into other heads: planned again
     assert planned and viewed
     call(is_neox=False)
     with pytest.raises(TypeError, match="is_neox"):
         call(is_neox=1)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_vllm_cache_adapter_repeat_calls_replay_on_the_flat_tensors(torch_cuda, monkeypatch,
+                                                                    kv_cache_dtype):
+    """compat.rope_and_reshape_and_cache_flash's second call of a layout is neither planned nor
+    given head views (it replays on the flat tensors as given) and each call rotates and caches
+    its own new tensors; a short slot_mapping (padded each call) is never replayed; a scale the
+    full path refuses is still refused after the layout is cached."""
+    from cupyrope import compat, execute
+    from cupyrope.compat import vllm
+
+    torch = torch_cuda
+    if kv_cache_dtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 caches need sm_89")
+    execute.clear()
+    T, Hq, Hk, D, blocks, block_size = 9, 4, 2, 64, 4, 16
+    table = cr.cos_sin_cache(512, D, like=torch.empty(1, device="cuda"))
+    cache_dtype = torch.uint8 if kv_cache_dtype == "fp8" else torch.bfloat16
+    k_scale, v_scale = torch.tensor([0.5], device="cuda"), torch.tensor([2.0], device="cuda")
+
+    def call(slots_given=T, scale=k_scale):
+        query = torch.randn(T, Hq * D, device="cuda", dtype=torch.bfloat16)
+        key = torch.randn(T, Hk * D, device="cuda", dtype=torch.bfloat16)
+        value = torch.randn(T, Hk * D, device="cuda", dtype=torch.bfloat16)
+        positions = torch.randint(0, 512, (T,), device="cuda")
+        slots = torch.randperm(blocks * block_size, device="cuda")[:slots_given]
+        caches = [torch.zeros(blocks, block_size, Hk, D, device="cuda", dtype=cache_dtype)
+                  for _ in range(2)]
+        k0 = key.clone()
+        compat.rope_and_reshape_and_cache_flash(positions, query, key, value, *caches, slots,
+                                                kv_cache_dtype, scale, v_scale, D, table, True)
+        exact = reference_rope(as_numpy(k0.view(T, Hk, D)).astype(np.float64),
+                               as_numpy(positions), cos_sin_cache=as_numpy(table))
+        _check(key.view(T, Hk, D), k0.view(T, Hk, D), positions, table)
+        rows = as_numpy(slots)
+        stored = caches[0].view(-1, Hk, D)[slots]
+        if kv_cache_dtype == "fp8":
+            stored = stored.view(torch.float8_e4m3fn).float() * 0.5
+        got = as_numpy(stored.float()).astype(np.float64)
+        bound = np.max(np.abs(exact[:len(rows)]), axis=-1, keepdims=True) * (
+            2.0 ** -3 if kv_cache_dtype == "fp8" else 2.0 ** -7)
+        assert np.all(np.abs(got - exact[:len(rows)]) <= bound)
+
+    _, viewed = _repeats_skip(call, monkeypatch, (execute, "plan_fused"),
+                              (vllm, "token_heads_view"))
+    call(slots_given=T - 2)  # padded: a new slot tensor each call, so never replayed
+    call(slots_given=T - 2)
+    assert len(viewed) == 6
+    with pytest.raises(ValueError, match="per-head scales are not supported"):
+        call(scale=torch.tensor([0.5, 0.5], device="cuda"))

@@ -14,7 +14,8 @@ import torch
 from ..api import apply_rope, rms_norm_rope, rope_and_cache
 from ..api import write_cache as write_unrotated  # write_cache below is the adapters' helper
 from ..core.dtypes import FP8_DTYPES, dtype_name_of
-from ..cuda.recipes import call_key, recipes, replay
+from .. import execute
+from ..cuda.recipes import FUSED_OPERANDS, call_key, fast_fused_key, recipes, replay, replay_fused
 from ..mla import latent_cache_write
 from ..core.validators import check_bool, check_real, is_integer
 
@@ -133,6 +134,16 @@ def rope_and_reshape_and_cache_flash(positions, query, key, value, key_cache, va
     it to key's dtype first, so fp8 entries may differ from vLLM's by one fp8 ulp.
     """
     op_name = "rope_and_reshape_and_cache_flash"
+    # A serving step repeats one layout: keyed on the tensors as given (flat or not), its launch
+    # replays the recipe of the first such call, no head views made, nothing checked again.
+    found = _flat_cache_key(op_name, positions, query, key, value, key_cache, value_cache,
+                            slot_mapping, kv_cache_dtype, k_scale, v_scale, head_size,
+                            cos_sin_cache, is_neox)
+    if found is not None:
+        recipe = recipes.get(found[0])
+        if recipe is not None and replay_fused(recipe, query, key, (key_cache, value_cache),
+                                               found[1], True) is not None:
+            return
     head_size = count(head_size, "head_size", op_name, minimum=1)
     check_bool(is_neox, "is_neox", op_name)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -148,9 +159,34 @@ def rope_and_reshape_and_cache_flash(positions, query, key, value, key_cache, va
                          f"(one per token), got shape {tuple(slot_mapping.shape)}")
     kind = cache_kind(key_cache, value_cache, fmt, q.dtype, op_name,
                        f"kv_cache_dtype={kv_cache_dtype!r}")
-    write_cache(op_name, positions, q, k, v, key_cache, value_cache,
-                padded_slots(slot_mapping, num_tokens), kind,
+    slots = padded_slots(slot_mapping, num_tokens)
+    execute.watch_kept()
+    write_cache(op_name, positions, q, k, v, key_cache, value_cache, slots, kind,
                 k_scale, v_scale, cos_sin_cache, is_neox)
+    recipe = execute.kept_recipe()
+    if found is not None and recipe is not None and slots is slot_mapping:
+        # The views and the scales' 0-d views have the given tensors' pointers (a padded slot
+        # mapping would not: it is new each call), so the launch replays on these.
+        recipes.put(found[0], recipe)
+
+
+_SCALE_POINTERS = (FUSED_OPERANDS.index("k_scale"), FUSED_OPERANDS.index("v_scale"))
+
+
+def _flat_cache_key(op_name, positions, query, key, value, key_cache, value_cache, slot_mapping,
+                    kv_cache_dtype, k_scale, v_scale, head_size, cos_sin_cache, is_neox):
+    """(key, pointers) of a vLLM cache-writing call on its tensors as given, the pointers in the
+    order of the rope_and_cache call it makes (its views share the given tensors' pointers), or
+    None. The scales are keyed in every format, as the full path checks them in every format,
+    but only fp8 caches read them: with key's own dtype ("auto") their pointers are 0, as in the
+    launch the full path makes."""
+    found = fast_fused_key(op_name, (query, key, positions, cos_sin_cache, None, None, None, None,
+                                     None, k_scale, v_scale, value, key_cache, value_cache,
+                                     slot_mapping), (head_size, kv_cache_dtype, is_neox))
+    if found is not None and kv_cache_dtype == "auto":
+        for at in _SCALE_POINTERS:
+            found[1][at] = 0
+    return found
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
