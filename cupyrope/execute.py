@@ -149,8 +149,8 @@ def replay_fast(found, q, k, caches, inplace: bool):
     from the public function's own arguments before any dict is built): the outputs as
     :func:`run_fused` returns them, or None when no recipe is kept under it or the full path
     must decide. Reached only outside tracing and with ``validate`` off; tensors that require
-    grad, DTensors and JAX arrays never form a fast key, so no call a router would send
-    elsewhere replays here."""
+    grad while grad mode is on, DTensors and JAX arrays never form a fast key, so no call a
+    router would send elsewhere replays here."""
     recipe = recipes.get(found[0])
     if recipe is None:
         return None
