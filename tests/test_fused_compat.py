@@ -106,6 +106,47 @@ def test_fused_qk_norm_rope_matches_the_reference(backend, rng, randn, dtype, is
         _assert_rounded_once(got[:, lo:lo + heads * D].reshape(T, heads, D), exact, dtype, name)
 
 
+def _adapter_key_is_its_calls(monkeypatch, adapter_key, adapter, op_name: str, args) -> tuple:
+    """An adapter's repeat key on its arguments as given against the fast key of the one cupyrope
+    call it makes: different keys, the same pointers (CPU tensors standing in for CUDA ones:
+    get_device answers 0). Returns the adapter's (key, pointers)."""
+    from cupyrope import api
+    from cupyrope.core import arrays as array_info
+
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setitem(array_info.GPU_KINDS, torch.Tensor, "torch")
+    made = []
+    keyed = api.fast_fused_key
+    monkeypatch.setattr(api, "fast_fused_key", lambda *a: made.append(keyed(*a)) or made[-1])
+    outer = adapter_key(op_name, *args)
+    adapter(*args)
+    (inner,) = made
+    assert outer is not None and inner is not None and outer[0] != inner[0]
+    assert outer[1] == inner[1]
+    return outer
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_qk_norm_rope_repeat_key_points_where_its_launch_does(rng, randn, monkeypatch,
+                                                                    dtype):
+    """The adapter's repeat key on qkv as given holds the pointers of the rms_norm_rope call it
+    makes on qkv's head views (k's heads an offset into qkv), in that call's order. (CPU tensors
+    stand in for CUDA ones: get_device answers 0.)"""
+    from cupyrope.compat import vllm
+
+    Hq, Hk, D = 8, 2, 128
+    rows, (wq, wk), positions = _qkv_case(rng, randn, dtype)
+    backend = Backend("torch")
+    buffer = backend.put(rows)
+    args = (buffer[:, :(Hq + 2 * Hk) * D], Hq, Hk, Hk, D, 1e-6, backend.put(wq),
+            backend.put(wk), backend.put(cr.cos_sin_cache(MAX_POSITION, D, dtype="float32")),
+            True, backend.put(positions))
+    outer = _adapter_key_is_its_calls(monkeypatch, vllm._qkv_norm_key, compat.fused_qk_norm_rope,
+                                      "fused_qk_norm_rope", args)
+    assert outer[1][1] - outer[1][0] == Hq * D * buffer.element_size()
+    assert vllm._qkv_norm_key("fused_qk_norm_rope", args[0], float(Hq), *args[2:]) is None
+
+
 def test_fused_qk_norm_rope_matches_transformers_qwen3(rng, randn):
     """Qwen3's attention on the same fused buffer: q_norm / k_norm on the head views, then
     apply_rotary_pos_emb with the cache's cos / sin; bfloat16 (transformers rounds after each op)
@@ -291,9 +332,7 @@ def test_vllm_rope_and_cache_repeat_key_points_where_its_launch_does(rng, randn,
     call it makes, in that call's order (the head views and the scales' 0-d views share the
     given tensors' pointers; "auto" caches take no scale pointers), so the launch that call kept
     replays on them. (CPU tensors stand in for CUDA ones: get_device answers 0.)"""
-    from cupyrope import api
     from cupyrope.compat import vllm
-    from cupyrope.core import arrays as array_info
 
     backend = Backend("torch")
     (q, k, v), positions, table, buffer, (query, key, value) = _kv_case(backend, rng, randn)
@@ -306,16 +345,9 @@ def test_vllm_rope_and_cache_repeat_key_points_where_its_launch_does(rng, randn,
     args = (backend.put(positions), query, key, value, *caches,
             backend.put(rng.permutation(64)[:T]), kv_cache_dtype, k_scale, v_scale, D,
             backend.put(table), True)
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
-    monkeypatch.setitem(array_info.GPU_KINDS, torch.Tensor, "torch")
-    made = []
-    keyed = api.fast_fused_key
-    monkeypatch.setattr(api, "fast_fused_key", lambda *a: made.append(keyed(*a)) or made[-1])
-    outer = vllm._flat_cache_key("rope_and_reshape_and_cache_flash", *args)
-    compat.rope_and_reshape_and_cache_flash(*args)
-    (inner,) = made
-    assert outer is not None and inner is not None and outer[0] != inner[0]
-    assert outer[1] == inner[1]
+    outer = _adapter_key_is_its_calls(monkeypatch, vllm._flat_cache_key,
+                                      compat.rope_and_reshape_and_cache_flash,
+                                      "rope_and_reshape_and_cache_flash", args)
     scale_pointers = [outer[1][at] for at in vllm._SCALE_POINTERS]
     assert (scale_pointers == [0, 0]) == (kv_cache_dtype == "auto" or scales == "numbers")
 

@@ -559,3 +559,38 @@ def test_vllm_cache_adapter_repeat_calls_replay_on_the_flat_tensors(torch_cuda, 
     assert len(viewed) == 6
     with pytest.raises(ValueError, match="per-head scales are not supported"):
         call(scale=torch.tensor([0.5, 0.5], device="cuda"))
+
+
+def test_vllm_qk_norm_adapter_repeat_calls_replay_on_the_fused_projection(torch_cuda,
+                                                                        monkeypatch):
+    """compat.fused_qk_norm_rope's second call of a layout is neither planned nor split into
+    views (it replays on qkv as given, k's heads at their offset) and normalises and rotates its
+    own new projection each time; other head counts over the same qkv width are planned again."""
+    from cupyrope import compat, execute
+    from cupyrope.compat import vllm
+
+    torch = torch_cuda
+    execute.clear()
+    T, Hq, Hk, D = 7, 4, 2, 64
+    table = cr.cos_sin_cache(512, D, like=torch.empty(1, device="cuda"))
+    w = torch.rand(D, device="cuda") + 0.5
+
+    def call(heads=(Hq, Hk)):
+        hq, hk = heads
+        qkv = torch.randn(T, (Hq + 2 * Hk) * D, device="cuda")
+        positions = torch.randint(0, 512, (T,), device="cuda")
+        before = qkv.clone()
+        compat.fused_qk_norm_rope(qkv, hq, hk, Hq + 2 * Hk - hq - hk, D, 1e-6, w, w, table, True,
+                                  positions)
+        for lo, h in ((0, hq), (hq * D, hk)):
+            x = before[:, lo:lo + h * D].view(T, h, D)
+            exact = reference_rope(_rms_norm64(x, w), as_numpy(positions),
+                                   cos_sin_cache=as_numpy(table))
+            got = as_numpy(qkv[:, lo:lo + h * D].view(T, h, D)).astype(np.float64)
+            np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
+        assert torch.equal(qkv[:, (hq + hk) * D:], before[:, (hq + hk) * D:])  # v untouched
+
+    planned, split = _repeats_skip(call, monkeypatch, (execute, "plan_fused"),
+                                   (vllm, "split_qkv"))
+    call(heads=(Hq + 2, Hk))  # the same qkv width split into other heads: planned again
+    assert planned and split

@@ -90,10 +90,21 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     ``rope(x * rsqrt(mean(x**2) + eps) * weight)``, computed in float32 and rounded once.
     """
     op_name = "fused_qk_norm_rope"
+    # A repeat call of a layout replays on qkv as given: no views, nothing checked again.
+    found = _qkv_norm_key(op_name, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps,
+                          q_weight, k_weight, cos_sin_cache, is_neox, position_ids)
+    if found is not None:
+        recipe = recipes.get(found[0])
+        if recipe is not None and replay_fused(recipe, qkv, qkv, None, found[1], True) is not None:
+            return
     q, k, _ = split_qkv(op_name, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, is_neox,
                         position_ids)
+    execute.watch_kept()
     rms_norm_rope(q, k, q_weight, k_weight, position_ids, eps=eps, cos_sin_cache=cos_sin_cache,
                   interleaved=not is_neox, inplace=True)
+    recipe = execute.kept_recipe()
+    if found is not None and recipe is not None:
+        recipes.put(found[0], recipe)  # q and k are views of qkv: its pointer, k's offset
 
 
 def rope_and_reshape_and_cache_flash(positions, query, key, value, key_cache, value_cache,
@@ -168,6 +179,20 @@ def rope_and_reshape_and_cache_flash(positions, query, key, value, key_cache, va
         # The views and the scales' 0-d views have the given tensors' pointers (a padded slot
         # mapping would not: it is new each call), so the launch replays on these.
         recipes.put(found[0], recipe)
+
+
+def _qkv_norm_key(op_name, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight,
+                  k_weight, cos_sin_cache, is_neox, position_ids):
+    """(key, pointers) of a ``fused_qk_norm_rope`` call on qkv as given, the pointers those of
+    the rms_norm_rope call it makes on qkv's q and k views (k's heads start ``num_heads_q *
+    head_dim`` elements in), or None."""
+    found = fast_fused_key(op_name, (qkv, qkv, position_ids, cos_sin_cache, None, None, q_weight,
+                                     k_weight), (num_heads_q, num_heads_k, num_heads_v, head_dim,
+                                                 eps, is_neox))
+    if found is not None and type(num_heads_q) is int and type(head_dim) is int:
+        found[1][1] += num_heads_q * head_dim * qkv.element_size()
+        return found
+    return None
 
 
 _SCALE_POINTERS = (FUSED_OPERANDS.index("k_scale"), FUSED_OPERANDS.index("v_scale"))
