@@ -132,16 +132,19 @@ _kept = threading.local()
 
 
 def watch_kept() -> None:
-    """Forget the calling thread's kept recipe: :func:`kept_recipe` then answers for the fused
-    calls made after this one only."""
+    """Forget the calling thread's kept recipe: :func:`keep_kept_under` then answers for the
+    fused calls made after this one only."""
     _kept.recipe = None
 
 
-def kept_recipe():
-    """The launch recipe of the calling thread's last fused call through :func:`run_fused` since
-    :func:`watch_kept` (planned and kept, or replayed by its general key), else None (the NumPy
-    path, a frontend's route, a call replayed by its fast key, or none at all)."""
-    return getattr(_kept, "recipe", None)
+def keep_kept_under(key) -> None:
+    """Keep the launch recipe of the calling thread's last fused call through :func:`run_fused`
+    since :func:`watch_kept` (planned and kept, or replayed by its general key) under ``key``
+    too; nothing when there is none (the NumPy path, a frontend's route, a call replayed by its
+    fast key, or no call at all)."""
+    recipe = getattr(_kept, "recipe", None)
+    if recipe is not None:
+        recipes.put(key, recipe)
 
 
 def replay_fast(found, q, k, caches, inplace: bool):

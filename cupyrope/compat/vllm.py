@@ -15,7 +15,7 @@ from ..api import apply_rope, rms_norm_rope, rope_and_cache
 from ..api import write_cache as write_unrotated  # write_cache below is the adapters' helper
 from ..core.dtypes import FP8_DTYPES, dtype_name_of
 from .. import execute
-from ..cuda.recipes import FUSED_OPERANDS, call_key, fast_fused_key, recipes, replay, replay_fused
+from ..cuda.recipes import FUSED_OPERANDS, call_key, fast_fused_key, recipes, replay
 from ..mla import latent_cache_write
 from ..core.validators import check_bool, check_real, is_integer
 
@@ -93,18 +93,15 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     # A repeat call of a layout replays on qkv as given: no views, nothing checked again.
     found = _qkv_norm_key(op_name, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps,
                           q_weight, k_weight, cos_sin_cache, is_neox, position_ids)
-    if found is not None:
-        recipe = recipes.get(found[0])
-        if recipe is not None and replay_fused(recipe, qkv, qkv, None, found[1], True) is not None:
-            return
+    if found is not None and execute.replay_fast(found, qkv, qkv, None, True) is not None:
+        return
     q, k, _ = split_qkv(op_name, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, is_neox,
                         position_ids)
     execute.watch_kept()
     rms_norm_rope(q, k, q_weight, k_weight, position_ids, eps=eps, cos_sin_cache=cos_sin_cache,
                   interleaved=not is_neox, inplace=True)
-    recipe = execute.kept_recipe()
-    if found is not None and recipe is not None:
-        recipes.put(found[0], recipe)  # q and k are views of qkv: its pointer, k's offset
+    if found is not None:  # q and k are views of qkv: its pointer, k's offset
+        execute.keep_kept_under(found[0])
 
 
 def rope_and_reshape_and_cache_flash(positions, query, key, value, key_cache, value_cache,
@@ -150,11 +147,9 @@ def rope_and_reshape_and_cache_flash(positions, query, key, value, key_cache, va
     found = _flat_cache_key(op_name, positions, query, key, value, key_cache, value_cache,
                             slot_mapping, kv_cache_dtype, k_scale, v_scale, head_size,
                             cos_sin_cache, is_neox)
-    if found is not None:
-        recipe = recipes.get(found[0])
-        if recipe is not None and replay_fused(recipe, query, key, (key_cache, value_cache),
-                                               found[1], True) is not None:
-            return
+    if found is not None and execute.replay_fast(found, query, key, (key_cache, value_cache),
+                                                 True) is not None:
+        return
     head_size = count(head_size, "head_size", op_name, minimum=1)
     check_bool(is_neox, "is_neox", op_name)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -174,11 +169,10 @@ def rope_and_reshape_and_cache_flash(positions, query, key, value, key_cache, va
     execute.watch_kept()
     write_cache(op_name, positions, q, k, v, key_cache, value_cache, slots, kind,
                 k_scale, v_scale, cos_sin_cache, is_neox)
-    recipe = execute.kept_recipe()
-    if found is not None and recipe is not None and slots is slot_mapping:
+    if found is not None and slots is slot_mapping:
         # The views and the scales' 0-d views have the given tensors' pointers (a padded slot
         # mapping would not: it is new each call), so the launch replays on these.
-        recipes.put(found[0], recipe)
+        execute.keep_kept_under(found[0])
 
 
 def _qkv_norm_key(op_name, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight,
@@ -186,13 +180,14 @@ def _qkv_norm_key(op_name, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim,
     """(key, pointers) of a ``fused_qk_norm_rope`` call on qkv as given, the pointers those of
     the rms_norm_rope call it makes on qkv's q and k views (k's heads start ``num_heads_q *
     head_dim`` elements in), or None."""
+    if type(num_heads_q) is not int or type(head_dim) is not int:
+        return None  # the full path checks them
     found = fast_fused_key(op_name, (qkv, qkv, position_ids, cos_sin_cache, None, None, q_weight,
                                      k_weight), (num_heads_q, num_heads_k, num_heads_v, head_dim,
                                                  eps, is_neox))
-    if found is not None and type(num_heads_q) is int and type(head_dim) is int:
+    if found is not None:
         found[1][1] += num_heads_q * head_dim * qkv.element_size()
-        return found
-    return None
+    return found
 
 
 _SCALE_POINTERS = (FUSED_OPERANDS.index("k_scale"), FUSED_OPERANDS.index("v_scale"))
