@@ -38,6 +38,49 @@ def _assert_close(out, expected64, dtype, what):
                                   f"at {np.unravel_index(np.argmax(err - bound), err.shape)}")
 
 
+def _recorded_launches(monkeypatch) -> list:
+    """The LaunchSpec of every launch planned from here on (recipes of earlier calls forgotten)."""
+    from cupyrope import execute
+    from cupyrope.cuda import launch
+
+    launches = []
+    plan_launch = launch.plan_launch
+
+    def recording(*args, **kwargs):
+        launches.append(plan_launch(*args, **kwargs))
+        return launches[-1]
+
+    monkeypatch.setattr(launch, "plan_launch", recording)
+    execute.clear()
+    return launches
+
+
+def _shuffled_paged_caches(backend, rng, T, Hk, D, dtype):
+    """Zeroed k and v caches of blocks of 16 slots for ``T`` tokens, with their slot mapping:
+    the blocks shuffled, every 7th token padding (-1)."""
+    block_size, num_blocks = 16, T // 16 + 3
+    slots = (rng.permutation(num_blocks)[:, None] * block_size
+             + np.arange(block_size)).reshape(-1)[:T].copy()
+    slots[::7] = -1  # padding tokens write nothing
+    k_cache = backend.put(np.zeros((num_blocks, block_size, Hk, D), np_dtype(dtype)))
+    v_cache = backend.put(np.zeros((num_blocks, block_size, Hk, D), np_dtype(dtype)))
+    return slots, k_cache, v_cache
+
+
+def _assert_cache_rows(backend, k_cache, v_cache, slots, expected_k, v, dtype):
+    """The k cache holds the expected rows and the v cache v's at the slots written, both zero
+    everywhere else."""
+    Hk, D = v.shape[1:]
+    rows = slots >= 0
+    got_k = host_values(backend, k_cache).reshape(-1, Hk, D)
+    got_v = host_values(backend, v_cache).reshape(-1, Hk, D)
+    _assert_close(got_k[slots[rows]], expected_k[rows], dtype, f"{backend} k cache")
+    np.testing.assert_array_equal(got_v[slots[rows]], v[rows])
+    unwritten = np.ones(got_v.shape[0], bool)
+    unwritten[slots[rows]] = False
+    assert not got_k[unwritten].any() and not got_v[unwritten].any()
+
+
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("source", ["cache", "tables_half", "computed"])
@@ -113,8 +156,7 @@ def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kern
 
     ran = launched_kernels
     if kernel == "lean":  # the same call counts as many tokens
-        monkeypatch.setattr(launch, "FUSED_DECODE_MAX_TOKENS", 0)
-        monkeypatch.setattr(launch, "FUSED_DECODE_MAX_NORM_TOKENS", 0)
+        monkeypatch.setattr(launch, "fused_decode_max_tokens", lambda plan, bandwidth: 0)
     if kernel == "general":
         monkeypatch.setattr(launch, "fused_lean_applies", lambda *args, **kwargs: False)
     norm, cache = "norm" in case, "cache" in case
@@ -186,21 +228,9 @@ def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kern
 def test_rope_and_cache_many_tokens(backend, rng, monkeypatch, dtype, interleaved, inplace, norm):
     """Many tokens: odd T, heads that do not divide the block; with the norm the lean kernel
     loops over its tokens on a persistent grid (launch.FUSED_LEAN_PERSISTENT_WAVES)."""
-    from cupyrope.cuda import launch
-
     # On a GPU past a wave of resident blocks of up to 16 tokens on 132 SMs.
     T, Hq, Hk, D = 4099 if backend.name == "numpy" else 20011, 5, 3, 128
-    launches = []
-    plan_launch = launch.plan_launch
-
-    def recording(*args, **kwargs):
-        launches.append(plan_launch(*args, **kwargs))
-        return launches[-1]
-
-    monkeypatch.setattr(launch, "plan_launch", recording)
-    from cupyrope import execute
-
-    execute.clear()
+    launches = _recorded_launches(monkeypatch)
     positions = rng.integers(0, 8192, T)
     cache = cr.cos_sin_cache(8192, D, dtype="float32")
     q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
@@ -208,12 +238,7 @@ def test_rope_and_cache_many_tokens(backend, rng, monkeypatch, dtype, interleave
     v = rng.standard_normal((T, Hk, D)).astype(np_dtype(dtype))
     wq = rng.uniform(0.5, 1.5, D).astype(np.float32)
     wk = rng.uniform(0.5, 1.5, D).astype(np.float32)
-    block_size, num_blocks = 16, T // 16 + 3
-    slots = (rng.permutation(num_blocks)[:, None] * block_size
-             + np.arange(block_size)).reshape(-1)[:T].copy()
-    slots[::7] = -1  # padding tokens write nothing
-    k_cache = backend.put(np.zeros((num_blocks, block_size, Hk, D), np_dtype(dtype)))
-    v_cache = backend.put(np.zeros((num_blocks, block_size, Hk, D), np_dtype(dtype)))
+    slots, k_cache, v_cache = _shuffled_paged_caches(backend, rng, T, Hk, D, dtype)
     qb, kb = backend.put(q), backend.put(k)
     q_out, k_out, _, _ = cr.rope_and_cache(
         qb, kb, backend.put(v), backend.put(positions), k_cache, v_cache, backend.put(slots),
@@ -225,19 +250,74 @@ def test_rope_and_cache_many_tokens(backend, rng, monkeypatch, dtype, interleave
         expected[name] = reference_rope(_rms_norm64(x, w, 1e-6, 0.0) if norm else x, positions,
                                         cos_sin_cache=cache, interleaved=interleaved)
         _assert_close(host_values(backend, out), expected[name], dtype, f"{backend} {name}")
-    rows = slots >= 0
-    got_k = host_values(backend, k_cache).reshape(-1, Hk, D)
-    got_v = host_values(backend, v_cache).reshape(-1, Hk, D)
-    _assert_close(got_k[slots[rows]], expected["k"][rows], dtype, f"{backend} k cache")
-    np.testing.assert_array_equal(got_v[slots[rows]], v[rows])
-    unwritten = np.ones(got_v.shape[0], bool)
-    unwritten[slots[rows]] = False
-    assert not got_k[unwritten].any() and not got_v[unwritten].any()
+    _assert_cache_rows(backend, k_cache, v_cache, slots, expected["k"], v, dtype)
     if backend.name != "numpy":
         (spec,) = launches
         assert spec.kernel.lean and spec.kernel.cache and spec.kernel.norm == norm
         tokens_per_launch = spec.grid[0] * spec.block[2]
         assert (tokens_per_launch < T) == norm, (spec.grid, spec.block)
+
+
+@pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
+@pytest.mark.parametrize("op", ["rms_norm_rope", "rope_and_cache", "fp8 out"])
+def test_fast_memory_launches_of_many_tokens(backend, rng, monkeypatch, op):
+    """On memory of 4 TB/s and more (the H200) many tokens take other launches: the norm alone
+    a persistent grid of the lean kernel, the cache write (up to
+    FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS) and fp8 outputs (any T) the fused decode kernel,
+    one block a token. Any GPU runs them so here; the values are those of the float64
+    reference, padding slots write nothing."""
+    from cupyrope.cuda import launch
+
+    monkeypatch.setattr(launch, "_memory_bandwidth", lambda device: 4.8e12)
+    launches = _recorded_launches(monkeypatch)
+    # Past a wave of resident blocks on 132 SMs; the cache write below its decode limit.
+    T = 9001 if op == "rope_and_cache" else 20011
+    Hq, Hk, D, dtype = 5, 3, 128, "bfloat16"
+    positions = rng.integers(0, 8192, T)
+    cache = cr.cos_sin_cache(8192, D, dtype="float32")
+    q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
+    k = (rng.standard_normal((T, Hk, D)) * 3).astype(np_dtype(dtype))
+    args = (backend.put(q), backend.put(k), backend.put(positions))
+    if op == "rms_norm_rope":
+        wq = rng.uniform(0.5, 1.5, D).astype(np.float32)
+        wk = rng.uniform(0.5, 1.5, D).astype(np.float32)
+        q_out, k_out = cr.rms_norm_rope(args[0], args[1], backend.put(wq), backend.put(wk),
+                                        args[2], eps=1e-6, cos_sin_cache=backend.put(cache))
+        for x, w, out, name in ((q, wq, q_out, "q"), (k, wk, k_out, "k")):
+            expected = reference_rope(_rms_norm64(x, w, 1e-6, 0.0), positions,
+                                      cos_sin_cache=cache)
+            _assert_close(host_values(backend, out), expected, dtype, f"{backend} {name}")
+    elif op == "rope_and_cache":
+        v = rng.standard_normal((T, Hk, D)).astype(np_dtype(dtype))
+        slots, k_cache, v_cache = _shuffled_paged_caches(backend, rng, T, Hk, D, dtype)
+        q_out, k_out, _, _ = cr.rope_and_cache(*args[:2], backend.put(v), args[2], k_cache,
+                                               v_cache, backend.put(slots),
+                                               cos_sin_cache=backend.put(cache))
+        expected_k = reference_rope(k, positions, cos_sin_cache=cache)
+        _assert_close(host_values(backend, q_out), reference_rope(q, positions,
+                                                                  cos_sin_cache=cache),
+                      dtype, f"{backend} q")
+        _assert_close(host_values(backend, k_out), expected_k, dtype, f"{backend} k")
+        _assert_cache_rows(backend, k_cache, v_cache, slots, expected_k, v, dtype)
+    else:
+        fmt = np.dtype(ml_dtypes.float8_e4m3fn)
+        q_out, k_out = cr.apply_rope(*args, cos_sin_cache=backend.put(cache),
+                                     out_dtype="float8_e4m3fn", q_scale=0.5, k_scale=2.0)
+        for x, out, scale in ((q, q_out, 0.5), (k, k_out, 2.0)):
+            got = host_values(backend, out)
+            got = got.view(fmt) if got.dtype == np.uint8 else got
+            exact = reference_rope(x, positions, cos_sin_cache=cache) / scale
+            lo = np.nextafter(exact.astype(np.float32), -np.inf).astype(fmt).astype(np.float64)
+            hi = np.nextafter(exact.astype(np.float32), np.inf).astype(fmt).astype(np.float64)
+            value = got.astype(np.float64)
+            assert np.all((value >= np.minimum(lo, hi)) & (value <= np.maximum(lo, hi))), op
+    (spec,) = launches
+    kernel = spec.kernel
+    if op == "rms_norm_rope":
+        assert kernel.lean and kernel.norm and not kernel.decode
+        assert spec.grid[0] * spec.block[2] < T, (spec.grid, spec.block)  # persistent
+    else:
+        assert kernel.decode and kernel.fused and spec.grid[0] == T, (kernel, spec.grid)
 
 
 @pytest.mark.parametrize("backend", MUTABLE, indirect=True)

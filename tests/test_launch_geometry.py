@@ -198,9 +198,10 @@ def test_computed_decode_only_where_it_pays():
 
 
 def _fused_launch(op, T, D=128, hq=32, hk=8, dtype=np.float32, positions=None,
-                  weight_dtype=None, **rope):
+                  weight_dtype=None, memory_bandwidth=0.0, **rope):
     """plan_launch of a fused call on NumPy arrays (host addresses stand in for device ones):
-    ``op`` "norm", "cache" or "norm+cache"; norm weights of ``weight_dtype`` (default q's)."""
+    ``op`` "norm", "cache", "norm+cache" or "fp8" (fp8 outputs); norm weights of
+    ``weight_dtype`` (default q's), on a device of ``memory_bandwidth`` bytes per second."""
     from cupyrope.core.arrays import describe
     from cupyrope.core.fused_plan import plan_fused
 
@@ -213,6 +214,8 @@ def _fused_launch(op, T, D=128, hq=32, hk=8, dtype=np.float32, positions=None,
     if "cache" in op:
         fusion.update(v=np.zeros((T, hk, D), dtype), k_cache=np.zeros((64, 16, hk, D), dtype),
                       v_cache=np.zeros((64, 16, hk, D), dtype), slot_mapping=np.arange(T))
+    if op == "fp8":
+        fusion.update(out_dtype="float8_e4m3fn")
     rope = rope or dict(cos_sin_cache=np.zeros((4096, D), np.float32))
     plan = plan_fused("rms_norm_rope" if op == "norm" else "rope_and_cache", q, k,
                       np.arange(T) if positions is None else positions, validate=False,
@@ -220,7 +223,37 @@ def _fused_launch(op, T, D=128, hq=32, hk=8, dtype=np.float32, positions=None,
     outputs = [describe(np.zeros(q.shape, dtype), "q_out"), describe(np.zeros(k.shape, dtype),
                                                                      "k_out")]
     return launch.plan_launch(plan, outputs, num_regs=lambda spec: 64, multiprocessors=132,
-                              angle_arithmetic="float64"), plan
+                              angle_arithmetic="float64", memory_bandwidth=memory_bandwidth), plan
+
+
+@pytest.mark.parametrize("op", ["norm", "cache", "norm+cache", "fp8"])
+def test_fast_memory_moves_the_fused_launches_of_many_tokens(op):
+    """On memory of FUSED_DECODE_FAST_MEMORY bytes per second and more the fused decode kernel
+    runs the cache write up to FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS tokens and fp8 outputs at
+    any T; the norm alone takes a persistent grid of the lean kernel, the norm with the cache
+    write its own (the same on any memory). Computed angles and slower or unknown memory keep
+    the decode kernel to FUSED_DECODE_MAX_TOKENS."""
+    fast = launch.FUSED_DECODE_FAST_MEMORY
+    for T in (launch.FUSED_DECODE_MAX_TOKENS + 1, launch.FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS,
+              launch.FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS + 1, 200000):
+        slow, _ = _fused_launch(op, T, memory_bandwidth=fast / 2)
+        assert slow.kernel.lean and not slow.kernel.decode, (op, T)
+        if op in ("norm", "fp8"):  # one block per token group (the norm + cache: persistent)
+            assert slow.grid[0] == min(-(-T // slow.block[2]), launch.MAX_GRID_X), (op, T)
+        spec, _ = _fused_launch(op, T, memory_bandwidth=fast)
+        blocks = -(-T // spec.block[2])
+        if op == "fp8" or (op == "cache"
+                           and T <= launch.FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS):
+            assert spec.kernel.decode and spec.kernel.fused and spec.grid[0] == T, (op, T)
+            computed, _ = _fused_launch(op, T, memory_bandwidth=fast,
+                                        theta=10000.0)
+            assert computed.kernel.lean and not computed.kernel.decode, (op, T)
+        elif "norm" in op:
+            assert spec.kernel.lean and not spec.kernel.decode and spec.kernel.norm
+            assert spec.grid[0] < blocks, (op, T, spec.grid)  # persistent
+        else:
+            assert spec.kernel.lean and not spec.kernel.decode, (op, T)
+            assert spec.grid[0] == min(blocks, launch.MAX_GRID_X), (op, T)
 
 
 @pytest.mark.parametrize("op", ["norm", "cache", "norm+cache"])

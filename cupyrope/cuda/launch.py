@@ -406,7 +406,8 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                           partial=lean and plan.rotary_dim < plan.head_dim)
         ring = not lean and fused_ring(plan, fusion, vector)
         fusion_params = fusion_struct(plan, fusion, copy_pass)
-        if lean and fused_decode_applies(plan, pairs=pairs, angle_arithmetic=angle_arithmetic):
+        if lean and fused_decode_applies(plan, pairs=pairs, angle_arithmetic=angle_arithmetic,
+                                         memory_bandwidth=memory_bandwidth):
             block, grid = decode_geometry(plan, pairs, fused_v_heads(fusion))
             shared_bytes = (decode_shared_angle_bytes(plan, block)
                             if plan.source == AngleSource.COMPUTED else 0)
@@ -426,10 +427,10 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                                                       if lean else 0))
         if fusion.row_scaled:
             block, grid = fit_row_buffers(plan, fusion, block, grid)
-        elif lean and spec.norm and spec.cache and not (spec.mrope or spec.partial):
-            # (M-RoPE and partial rotations: not measured persistent, one block per token group)
-            grid = persistent_token_grid(grid, block, num_regs(spec), multiprocessors,
-                                         FUSED_LEAN_PERSISTENT_WAVES)
+        elif lean:
+            waves = fused_lean_persistent_waves(spec, memory_bandwidth)
+            if waves:
+                grid = persistent_token_grid(grid, block, num_regs(spec), multiprocessors, waves)
         shared_bytes = 0 if lean else fused_shared_bytes(plan, fusion, ring, block)
         return LaunchSpec(spec, p, grid, block, shared_bytes, pointers, sin_offset, vector,
                           fusion_params)
@@ -735,9 +736,26 @@ def lean_all_heads_geometry(plan: RopePlan, pairs: int, num_regs: int, multiproc
 # [T, 32, 128], k and v [T, 8, 128], % of an SM copy at T = 4096 / 16384 / 65536, one token pair a
 # block -> persistent: H200 78.1 / 82.2 / 84.2 -> 83.1 / 86.9 / 89.9, H100 89.3 / 93.8 / 95.5 ->
 # 91.4 / 94.8 / 93.0. The other lean fused kernels keep one block per token pair: persistent,
-# rms_norm_rope alone lost 9 points at T = 16384 on the H100 (gained 1 on the H200), the cache
-# write alone and fp8 outputs lost 1-10 on both (docs/perf_log.md).
+# rms_norm_rope alone lost 9 points at T = 16384 on the H100 (gains 0.3-1.5 on the H200: below),
+# the cache write alone and fp8 outputs lost 1-10 on both (docs/perf_log.md).
 FUSED_LEAN_PERSISTENT_WAVES = 1
+# The norm alone takes the persistent grid on memory of at least this many bytes per second (the
+# H200's 4.8 TB/s: 0.3-1.5 points of an SM copy more at T = 1024-65536; the H100 lost 9 at
+# T = 16384). measured: docs/perf_log.md#fused_decode_fast_memory
+FUSED_LEAN_NORM_PERSISTENT_FAST_MEMORY = 4.0e12
+
+
+def fused_lean_persistent_waves(spec: KernelSpec, memory_bandwidth: float) -> int | None:
+    """The waves of resident blocks past which the lean per-head fused kernel ``spec`` runs on a
+    persistent grid on a device of ``memory_bandwidth`` bytes per second (0: unknown), or None for one block per token group. M-RoPE and partial rotations keep one block
+    per token group (not measured persistent)."""
+    if spec.mrope or spec.partial:
+        return None
+    if spec.norm and spec.cache:
+        return FUSED_LEAN_PERSISTENT_WAVES
+    if spec.norm and memory_bandwidth >= FUSED_LEAN_NORM_PERSISTENT_FAST_MEMORY:
+        return FUSED_LEAN_PERSISTENT_WAVES
+    return None
 
 
 def persistent_token_grid(grid: tuple[int, int], block: tuple[int, int, int], num_regs: int,
@@ -768,16 +786,37 @@ def lean_pass_lanes(plan: RopePlan, pairs: int, copy_pass: bool) -> int:
 # 512 6.44 -> 6.33, 2048 18.62 -> 19.45. measured: docs/perf_log.md#fused_decode_max_tokens
 FUSED_DECODE_MAX_TOKENS = 2048
 FUSED_DECODE_MAX_NORM_TOKENS = 256
+# On memory of at least FUSED_DECODE_FAST_MEMORY bytes per second (the H200's 4.8 TB/s) the fused
+# decode kernel's many small work items keep more bytes in flight than the lean kernel's loop
+# over a thread's heads, past the few tokens of a serving step too: without the norm, from a
+# table, it runs launches with the cache write up to FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS
+# (past them the lean kernel is faster) and those without at any T (6-9 points of an SM copy
+# more at T = 4096). With the norm it loses there (each head's reduction exposed); slower
+# memory (the H100) keeps FUSED_DECODE_MAX_TOKENS. measured: docs/perf_log.md#fused_decode_fast_memory
+FUSED_DECODE_FAST_MEMORY = 4.0e12
+FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS = 16384
 
 
-def fused_decode_applies(plan: RopePlan, *, pairs: int, angle_arithmetic: str | None) -> bool:
-    """Whether the fused decode kernel runs a launch that the lean fused kernel would: few tokens,
-    no M-RoPE, the chunks of a head a power of two (the norm sums over them with shuffles), and
-    with computed angles where they pay on a decode kernel (``computed_decode_pays``) and its
-    warps' angles fit the shared memory a launch may use without opting in. Norm weights must
-    have q's dtype (the kernel reads them as that type; the lean fused kernel takes any)."""
+def fused_decode_max_tokens(plan: RopePlan, memory_bandwidth: float) -> float:
+    """The most tokens of a launch of ``plan`` that the fused decode kernel runs on a device of
+    ``memory_bandwidth`` bytes per second (0: unknown, the few tokens of a serving step)."""
+    if plan.fusion.norm:
+        return FUSED_DECODE_MAX_NORM_TOKENS
+    if memory_bandwidth >= FUSED_DECODE_FAST_MEMORY and plan.source != AngleSource.COMPUTED:
+        return FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS if plan.fusion.writes_cache else math.inf
+    return FUSED_DECODE_MAX_TOKENS
+
+
+def fused_decode_applies(plan: RopePlan, *, pairs: int, angle_arithmetic: str | None,
+                         memory_bandwidth: float = 0.0) -> bool:
+    """Whether the fused decode kernel runs a launch that the lean fused kernel would: few tokens
+    (``fused_decode_max_tokens``: more on fast memory), no M-RoPE, the chunks of a head a power
+    of two (the norm sums over them with shuffles), and with computed angles where they pay on a
+    decode kernel (``computed_decode_pays``) and its warps' angles fit the shared memory a launch
+    may use without opting in. Norm weights must have q's dtype (the kernel reads them as that
+    type; the lean fused kernel takes any)."""
     chunks = (plan.rotary_dim // 2) // pairs
-    most = FUSED_DECODE_MAX_NORM_TOKENS if plan.fusion.norm else FUSED_DECODE_MAX_TOKENS
+    most = fused_decode_max_tokens(plan, memory_bandwidth)
     if plan.mrope_mode or plan.num_tokens > most or chunks & (chunks - 1) or chunks > 32:
         return False
     if plan.rotary_dim != plan.head_dim:  # a partial rotation: the lean fused kernel
