@@ -259,28 +259,31 @@ def test_rope_and_cache_many_tokens(backend, rng, monkeypatch, dtype, interleave
 
 
 @pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
-@pytest.mark.parametrize("op", ["rms_norm_rope", "rope_and_cache", "fp8 out"])
+@pytest.mark.parametrize("op", ["rms_norm_rope", "rms_norm_rope few", "rope_and_cache",
+                                "fp8 out"])
 def test_fast_memory_launches_of_many_tokens(backend, rng, monkeypatch, op):
-    """On memory of 4 TB/s and more (the H200) many tokens take other launches: the norm alone
-    a persistent grid of the lean kernel, the cache write (up to
-    FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS) and fp8 outputs (any T) the fused decode kernel,
-    one block a token. Any GPU runs them so here; the values are those of the float64
-    reference, padding slots write nothing."""
+    """On memory of 4 TB/s and more (the H200) many tokens take other launches: the norm up to
+    FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS ("few": weights of q's dtype), the cache write up
+    to FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS and fp8 outputs at any T the fused decode
+    kernel, one block a token; the norm past its limit a persistent grid of the lean kernel.
+    Any GPU runs them so here; the values are those of the float64 reference, padding slots
+    write nothing."""
     from cupyrope.cuda import launch
 
     monkeypatch.setattr(launch, "_memory_bandwidth", lambda device: 4.8e12)
     launches = _recorded_launches(monkeypatch)
-    # Past a wave of resident blocks on 132 SMs; the cache write below its decode limit.
-    T = 9001 if op == "rope_and_cache" else 20011
+    # Past a wave of resident blocks on 132 SMs; the others below their decode limits.
+    T = {"rope_and_cache": 9001, "rms_norm_rope few": 2000}.get(op, 20011)
     Hq, Hk, D, dtype = 5, 3, 128, "bfloat16"
     positions = rng.integers(0, 8192, T)
     cache = cr.cos_sin_cache(8192, D, dtype="float32")
     q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
     k = (rng.standard_normal((T, Hk, D)) * 3).astype(np_dtype(dtype))
     args = (backend.put(q), backend.put(k), backend.put(positions))
-    if op == "rms_norm_rope":
-        wq = rng.uniform(0.5, 1.5, D).astype(np.float32)
-        wk = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    if op.startswith("rms_norm_rope"):
+        w_dtype = np_dtype(dtype) if op.endswith("few") else np.float32
+        wq = rng.uniform(0.5, 1.5, D).astype(w_dtype)
+        wk = rng.uniform(0.5, 1.5, D).astype(w_dtype)
         q_out, k_out = cr.rms_norm_rope(args[0], args[1], backend.put(wq), backend.put(wk),
                                         args[2], eps=1e-6, cos_sin_cache=backend.put(cache))
         for x, w, out, name in ((q, wq, q_out, "q"), (k, wk, k_out, "k")):

@@ -229,11 +229,21 @@ def _fused_launch(op, T, D=128, hq=32, hk=8, dtype=np.float32, positions=None,
 @pytest.mark.parametrize("op", ["norm", "cache", "norm+cache", "fp8"])
 def test_fast_memory_moves_the_fused_launches_of_many_tokens(op):
     """On memory of FUSED_DECODE_FAST_MEMORY bytes per second and more the fused decode kernel
-    runs the cache write up to FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS tokens and fp8 outputs at
-    any T; the norm alone takes a persistent grid of the lean kernel, the norm with the cache
-    write its own (the same on any memory). Computed angles and slower or unknown memory keep
-    the decode kernel to FUSED_DECODE_MAX_TOKENS."""
+    runs the cache write up to FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS tokens, fp8 outputs at
+    any T and the norm up to FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS; past that the norm alone
+    takes a persistent grid of the lean kernel, the norm with the cache write its own (the same
+    on any memory). Computed angles and slower or unknown memory keep the decode kernel to
+    FUSED_DECODE_MAX_TOKENS (FUSED_DECODE_MAX_NORM_TOKENS with the norm)."""
     fast = launch.FUSED_DECODE_FAST_MEMORY
+    if "norm" in op:
+        most = launch.FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS
+        for T, decodes in ((most, True), (most + 1, False)):
+            spec, _ = _fused_launch(op, T, memory_bandwidth=fast)
+            assert spec.kernel.decode is decodes and spec.kernel.norm, (op, T)
+            for other in ({"memory_bandwidth": fast / 2}, {"memory_bandwidth": fast,
+                                                           "theta": 10000.0}):
+                slow, _ = _fused_launch(op, T, **other)
+                assert slow.kernel.lean and not slow.kernel.decode, (op, T, other)
     for T in (launch.FUSED_DECODE_MAX_TOKENS + 1, launch.FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS,
               launch.FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS + 1, 200000):
         slow, _ = _fused_launch(op, T, memory_bandwidth=fast / 2)

@@ -788,21 +788,25 @@ FUSED_DECODE_MAX_TOKENS = 2048
 FUSED_DECODE_MAX_NORM_TOKENS = 256
 # On memory of at least FUSED_DECODE_FAST_MEMORY bytes per second (the H200's 4.8 TB/s) the fused
 # decode kernel's many small work items keep more bytes in flight than the lean kernel's loop
-# over a thread's heads, past the few tokens of a serving step too: without the norm, from a
-# table, it runs launches with the cache write up to FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS
-# (past them the lean kernel is faster) and those without at any T (6-9 points of an SM copy
-# more at T = 4096). With the norm it loses there (each head's reduction exposed); slower
-# memory (the H100) keeps FUSED_DECODE_MAX_TOKENS. measured: docs/perf_log.md#fused_decode_fast_memory
+# over a thread's heads, past the few tokens of a serving step too. From a table it runs launches
+# with the cache write up to FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS (past them the lean kernel
+# is faster), those with neither the norm nor the cache write at any T (6-9 points of an SM copy
+# more at T = 4096) and those with the norm up to FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS (from
+# 3072 each head's reduction, exposed, makes it slower). Slower memory (the H100) and computed
+# angles keep FUSED_DECODE_MAX_TOKENS and FUSED_DECODE_MAX_NORM_TOKENS.
+# measured: docs/perf_log.md#fused_decode_fast_memory
 FUSED_DECODE_FAST_MEMORY = 4.0e12
 FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS = 16384
+FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS = 2048
 
 
 def fused_decode_max_tokens(plan: RopePlan, memory_bandwidth: float) -> float:
     """The most tokens of a launch of ``plan`` that the fused decode kernel runs on a device of
     ``memory_bandwidth`` bytes per second (0: unknown, the few tokens of a serving step)."""
+    fast = memory_bandwidth >= FUSED_DECODE_FAST_MEMORY and plan.source != AngleSource.COMPUTED
     if plan.fusion.norm:
-        return FUSED_DECODE_MAX_NORM_TOKENS
-    if memory_bandwidth >= FUSED_DECODE_FAST_MEMORY and plan.source != AngleSource.COMPUTED:
+        return FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS if fast else FUSED_DECODE_MAX_NORM_TOKENS
+    if fast:
         return FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS if plan.fusion.writes_cache else math.inf
     return FUSED_DECODE_MAX_TOKENS
 
