@@ -267,6 +267,30 @@ def test_fast_memory_moves_the_fused_launches_of_many_tokens(op):
 
 
 @pytest.mark.parametrize("op", ["norm", "cache", "norm+cache"])
+def test_fast_memory_puts_sectioned_mrope_on_a_persistent_grid(op):
+    """Sectioned M-RoPE (Qwen2-VL) runs the lean kernel on a persistent grid on fast memory;
+    interleaved M-RoPE (Qwen3-VL), partial rotations and slower memory keep a block per token
+    group (the norm with the cache write too, where M-RoPE is concerned)."""
+    T, fast = 65536, launch.FUSED_LEAN_NORM_PERSISTENT_FAST_MEMORY
+    positions = np.zeros((3, T), np.int64)
+    table = dict(cos_sin_cache=np.zeros((4096, 128), np.float32))
+    for interleaved in (False, True):
+        scaling = {"rope_type": "default", "mrope_section": [16, 24, 24],
+                   "mrope_interleaved": interleaved}
+        for bandwidth in (fast, fast / 2):
+            spec, plan = _fused_launch(op, T, positions=positions, scaling=scaling,
+                                       memory_bandwidth=bandwidth, **table)
+            assert spec.kernel.lean and spec.kernel.mrope and plan.mrope_mode
+            blocks = -(-T // spec.block[2])
+            persistent = bandwidth == fast and not interleaved
+            assert (spec.grid[0] < blocks) is persistent, (op, interleaved, bandwidth, spec.grid)
+    partial, _ = _fused_launch(op, T, memory_bandwidth=fast,
+                               cos_sin_cache=np.zeros((4096, 64), np.float32))
+    assert partial.kernel.partial
+    assert partial.grid[0] == min(-(-T // partial.block[2]), launch.MAX_GRID_X)
+
+
+@pytest.mark.parametrize("op", ["norm", "cache", "norm+cache"])
 def test_fused_decode_kernel_takes_few_tokens_of_the_lean_fused_layout(op):
     """The fused ops run the fused decode kernel up to FUSED_DECODE_MAX_TOKENS tokens
     (FUSED_DECODE_MAX_NORM_TOKENS with the norm), one thread row per q, k and v head, with its

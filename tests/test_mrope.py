@@ -186,3 +186,51 @@ def test_fused_ops_match_transformers(model, source, dtype, op, kernel, rng, mon
         err = np.abs(got - expected)
         assert np.all(err <= bound), (f"{name}: max error {err.max():.3g} over bound "
                                       f"{bound.min():.3g}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rms_norm_rope", "rope_and_cache"])
+def test_sectioned_mrope_persistent_grid_gives_the_same_bits(op, rng, monkeypatch):
+    """On fast memory sectioned M-RoPE runs the lean kernel on a persistent grid (each block
+    loops over its tokens): the same outputs and cache rows, bit for bit, as one block per
+    token group on slower memory, whose values the tests above hold to transformers'."""
+    from cupyrope import execute
+    from cupyrope.cuda import launch
+
+    cp = pytest.importorskip("cupy")
+    if not cp.is_available():
+        pytest.skip("needs CuPy and a CUDA GPU")
+    T, Hq, Hk = 20011, 5, 3
+    q = cp.asarray((rng.standard_normal((T, Hq, D)) * 3).astype(np.float32)).astype(cp.float16)
+    k = cp.asarray((rng.standard_normal((T, Hk, D)) * 3).astype(np.float32)).astype(cp.float16)
+    v = cp.asarray(rng.standard_normal((T, Hk, D)).astype(np.float16))
+    positions = cp.asarray(rng.integers(0, 4096, (3, T)))
+    w = cp.asarray(rng.uniform(0.5, 1.5, D).astype(np.float16))
+    table = cr.cos_sin_cache(4096, D, theta=THETA, like=q)
+    scaling = {"rope_type": "default", "mrope_section": [16, 24, 24]}
+    slots = cp.asarray(rng.permutation(T + 64)[:T])
+    grids, results = [], []
+    planned = launch.plan_launch
+
+    def recording(*args, **kwargs):
+        spec = planned(*args, **kwargs)
+        grids.append((spec.kernel, spec.grid, spec.block))
+        return spec
+
+    monkeypatch.setattr(launch, "plan_launch", recording)
+    for bandwidth in (4.8e12, 3.35e12):
+        monkeypatch.setattr(launch, "_memory_bandwidth", lambda device, b=bandwidth: b)
+        execute.clear()
+        if op == "rms_norm_rope":
+            out = cr.rms_norm_rope(q, k, w, w, positions, eps=1e-6, scaling=scaling,
+                                   cos_sin_cache=table)
+        else:
+            caches = [cp.zeros(((T + 64) // 16 + 1, 16, Hk, D), cp.float16) for _ in range(2)]
+            out = cr.rope_and_cache(q, k, v, positions, *caches, slots, scaling=scaling,
+                                    cos_sin_cache=table, inplace=False)
+        results.append([cp.asnumpy(x) for x in out])
+    (fast_kernel, fast_grid, block), (slow_kernel, slow_grid, _) = grids
+    assert fast_kernel == slow_kernel and fast_kernel.lean and fast_kernel.mrope
+    assert fast_grid[0] < -(-T // block[2]) == slow_grid[0], (fast_grid, slow_grid, block)
+    for fast, slow in zip(*results):
+        np.testing.assert_array_equal(fast.view(np.uint8), slow.view(np.uint8))

@@ -23,6 +23,7 @@ from ..core.abi import (DECODE_PARAMS_DTYPE, FUSED_DECODE_PARAMS_DTYPE, FUSION_P
                          StoreFormat, WeightDtype, access_layout)
 from ..core.arrays import ArrayInfo, cupy_module, mark_written, stream_is_capturing, upload
 from ..core.dtypes import ITEMSIZE
+from ..core.mrope import MROPE_NONE, MROPE_SECTIONED
 from ..core.fused_plan import STORE_FORMATS
 from .compiler import KernelSpec, RerotateSpec, get_kernel, is_compiled
 from .compiler import angle_arithmetic as device_angle_arithmetic
@@ -428,7 +429,7 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
         if fusion.row_scaled:
             block, grid = fit_row_buffers(plan, fusion, block, grid)
         elif lean:
-            waves = fused_lean_persistent_waves(spec, memory_bandwidth)
+            waves = fused_lean_persistent_waves(spec, memory_bandwidth, plan.mrope_mode)
             if waves:
                 grid = persistent_token_grid(grid, block, num_regs(spec), multiprocessors, waves)
         shared_bytes = 0 if lean else fused_shared_bytes(plan, fusion, ring, block)
@@ -739,21 +740,28 @@ def lean_all_heads_geometry(plan: RopePlan, pairs: int, num_regs: int, multiproc
 # rms_norm_rope alone lost 9 points at T = 16384 on the H100 (gains 0.3-1.5 on the H200: below),
 # the cache write alone and fp8 outputs lost 1-10 on both (docs/perf_log.md).
 FUSED_LEAN_PERSISTENT_WAVES = 1
-# The norm alone takes the persistent grid on memory of at least this many bytes per second (the
-# H200's 4.8 TB/s: 0.3-1.5 points of an SM copy more at T = 1024-65536; the H100 lost 9 at
-# T = 16384). measured: docs/perf_log.md#fused_decode_fast_memory
+# The norm alone and sectioned M-RoPE (Qwen2-VL's, either op) take the persistent grid on memory
+# of at least this many bytes per second (the H200's 4.8 TB/s: the norm 0.3-1.5 points of an SM
+# copy more at T = 1024-65536, sectioned M-RoPE 3.4-5.1 at T = 16384 and 65536; the H100 lost 9
+# with the norm at T = 16384). Interleaved M-RoPE lost 2.8 points at T = 65536 and partial
+# rotations (+3 at 16384, -0.2 / -2.8 at 65536) stay on a block per token group.
+# measured: docs/perf_log.md#fused_decode_fast_memory
 FUSED_LEAN_NORM_PERSISTENT_FAST_MEMORY = 4.0e12
 
 
-def fused_lean_persistent_waves(spec: KernelSpec, memory_bandwidth: float) -> int | None:
+def fused_lean_persistent_waves(spec: KernelSpec, memory_bandwidth: float,
+                                mrope_mode: int = MROPE_NONE) -> int | None:
     """The waves of resident blocks past which the lean per-head fused kernel ``spec`` runs on a
-    persistent grid on a device of ``memory_bandwidth`` bytes per second (0: unknown), or None for one block per token group. M-RoPE and partial rotations keep one block
-    per token group (not measured persistent)."""
-    if spec.mrope or spec.partial:
+    persistent grid on a device of ``memory_bandwidth`` bytes per second (0: unknown), or None
+    for one block per token group. ``mrope_mode``: the plan's M-RoPE (sectioned M-RoPE takes
+    the persistent grid on fast memory, interleaved keeps a block per token group); partial
+    rotations keep one block per token group."""
+    fast = memory_bandwidth >= FUSED_LEAN_NORM_PERSISTENT_FAST_MEMORY
+    if spec.mrope:
+        return FUSED_LEAN_PERSISTENT_WAVES if fast and mrope_mode == MROPE_SECTIONED else None
+    if spec.partial:
         return None
-    if spec.norm and spec.cache:
-        return FUSED_LEAN_PERSISTENT_WAVES
-    if spec.norm and memory_bandwidth >= FUSED_LEAN_NORM_PERSISTENT_FAST_MEMORY:
+    if spec.norm and (spec.cache or fast):
         return FUSED_LEAN_PERSISTENT_WAVES
     return None
 
