@@ -13,7 +13,8 @@
 # and prints a summary table last. The exit status is pytest's, or 1 when the kernel cache
 # failed. 2026-11-28, 16 cores: H200 296 s (kernel cache 51 s, the suite 84 s, the torch.compile /
 # XLA pre-step 48 s, the benchmarks 106 s); H100 380 s (69 / 111 / 61 / 130; the aim is 300 s);
-# H200 on a slower host 412 s (69 / 112 / 66 / 157: every step is CPU-bound but the benchmarks).
+# H200 on a slower host 412 s (69 / 112 / 66 / 157: every step is CPU-bound but the benchmarks);
+# H200 at 278147e 350 s (65 / 104 / 57 / 116).
 #
 # Files written to ${OUT:-/tmp} (the device tool returns at most 8): pytest.log, pytest.xml (times),
 # first_call_{cold,warm}.log, and, when they run, bench.log, bench_summary.md, bench.json, sweep/ (table, JSON,
