@@ -11,6 +11,8 @@ calls that had no adapter and the most frequent failure messages.
     python scripts/peer_suites/run.py --collect-only        # imports and collection only
     python scripts/peer_suites/run.py --shard 0/3 --save s0.json   # a third of every file ...
     python scripts/peer_suites/run.py --merge s0.json s1.json s2.json   # ... the thirds summed
+    python scripts/peer_suites/run.py --resume s0.json s1.json --save r.json   # what they left
+    python scripts/peer_suites/run.py --merge s0.json s1.json r.json    # unrun cases run since
 """
 
 from __future__ import annotations
@@ -129,12 +131,21 @@ def classify(results: dict) -> tuple[Counter, Counter, Counter]:
     return counts, missing, messages
 
 
-def run_file(entry: dict, args, workdir: Path, deadline: float | None) -> dict:
+def unrun_ids(results: dict) -> list[str]:
+    """The node ids of the cases a run left unrun (past its time budget)."""
+    return sorted(case_id for case_id, case in results["cases"].items()
+                  if case["outcome"] == "skipped" and BUDGET_REASON in case["message"])
+
+
+def run_file(entry: dict, args, workdir: Path, deadline: float | None,
+             only: list[str] | None = None) -> dict:
+    """One test file's row; ``only``: run just these node ids (``--resume``), recorded in the
+    row's ``resumed`` (those this run's shard took)."""
     peer = entry["peer"]
     peer_dir = args.peer_tests / peer
     test_file = peer_dir / entry["path"]
     row = {"peer": peer, "path": entry["path"], "commit": entry["commit"][:12],
-           "counts": Counter(), "missing": Counter(), "messages": Counter()}
+           "counts": Counter(), "missing": Counter(), "messages": Counter(), "unrun_ids": []}
     start = time.perf_counter()
     if args.collect_only:
         total, output, status = count_cases(peer, peer_dir, test_file, args, workdir)
@@ -154,6 +165,10 @@ def run_file(entry: dict, args, workdir: Path, deadline: float | None) -> dict:
         extra += ["-n", str(args.workers)]
     if deadline:
         extra += ["--peer-deadline", str(deadline)]
+    if only is not None:
+        only_path = workdir / f"{peer}-{Path(entry['path']).stem}.only.json"
+        only_path.write_text(json.dumps(only))
+        extra += ["--peer-only", str(only_path)]
     command = pytest_command(peer, peer_dir, test_file, args, extra)
     try:
         done = subprocess.run(command, cwd=workdir, env=environment(peer), capture_output=True,
@@ -165,10 +180,14 @@ def run_file(entry: dict, args, workdir: Path, deadline: float | None) -> dict:
     collected = Path(str(results_path) + ".collected")
     if collected.exists():
         row["total"] = int(collected.read_text())
+    selected = Path(str(results_path) + ".selected")
+    if only is not None:
+        row["resumed"] = json.loads(selected.read_text()) if selected.exists() else []
     if results_path.exists():
         results = json.loads(results_path.read_text())
         counts, missing, messages = classify(results)
-        row.update(counts=counts, missing=missing, messages=messages)
+        row.update(counts=counts, missing=missing, messages=messages,
+                   unrun_ids=unrun_ids(results))
         if args.failures:
             save_failures(results, entry, args.failures)
     else:  # pytest never got to write results (an internal error, a timeout)
@@ -220,15 +239,18 @@ def print_tables(rows: list[dict], args) -> None:
 
 
 def save_rows(rows: list[dict], path: Path) -> None:
-    """The rows of a run as JSON, for --merge."""
+    """The rows of a run as JSON, for --merge and --resume (with the node ids left unrun, and
+    those a resumed run took)."""
     path.write_text(json.dumps([{**row, "counts": dict(row["counts"]),
                                  "missing": dict(row["missing"]),
                                  "messages": dict(row["messages"])} for row in rows], indent=1))
 
 
 def merged_rows(paths: list[Path]) -> list[dict]:
-    """The rows of several saved runs (shards of the same files) summed file by file: cases
-    counted, runtimes added; the cases collected are each shard's (the whole file's)."""
+    """The rows of several saved runs (shards of the same files, and ``--resume`` runs of what
+    they left unrun) summed file by file: cases counted, runtimes added; the cases collected are
+    each shard's (the whole file's). A resumed row's cases leave the unrun count and ids of the
+    rows it resumed."""
     merged: dict[tuple, dict] = {}
     for path in paths:
         for row in json.loads(path.read_text()):
@@ -236,13 +258,31 @@ def merged_rows(paths: list[Path]) -> list[dict]:
             into = merged.setdefault(key, {"peer": row["peer"], "path": row["path"],
                                            "commit": row["commit"], "counts": Counter(),
                                            "missing": Counter(), "messages": Counter(),
-                                           "seconds": 0.0})
+                                           "seconds": 0.0, "unrun_ids": set(),
+                                           "resumed": set(), "named": True})
             for name in ("counts", "missing", "messages"):
                 into[name].update(row[name])
             into["seconds"] += row["seconds"]
+            into["named"] &= "unrun_ids" in row  # (runs saved before the ids were kept: not)
+            into["unrun_ids"].update(row.get("unrun_ids", ()))
+            into["resumed"].update(row.get("resumed", ()))
             if "total" in row:
                 into["total"] = row["total"]
-    return list(merged.values())
+    rows = []
+    for into in merged.values():
+        resumed, named = into.pop("resumed"), into.pop("named")
+        if resumed - into["unrun_ids"]:
+            raise ValueError(f"{into['peer']}/{into['path']}: a resumed run ran cases that no "
+                             "run given to --merge left unrun; merge it with the runs it resumed")
+        into["counts"]["unrun"] -= len(resumed)  # (a Counter item may go below 0 meanwhile)
+        into["unrun_ids"] = sorted(into["unrun_ids"] - resumed)
+        if named and into["counts"]["unrun"] != len(into["unrun_ids"]):
+            raise ValueError(f"{into['peer']}/{into['path']}: {into['counts']['unrun']} cases "
+                             f"counted unrun, {len(into['unrun_ids'])} named: merge every "
+                             "shard once")
+        rows.append(into)
+    return rows
+
 
 
 def main(argv=None) -> int:
@@ -275,7 +315,11 @@ def main(argv=None) -> int:
                         help="also write the rows of this run here (JSON), for --merge")
     parser.add_argument("--merge", type=Path, nargs="+", default=None,
                         help="run nothing: sum the rows saved by earlier runs (the shards of "
-                             "the same files) and print their tables")
+                             "the same files, --resume runs of what they left) and print their "
+                             "tables")
+    parser.add_argument("--resume", type=Path, nargs="+", default=None,
+                        help="run only the cases that these saved runs (--save) left unrun, "
+                             "in the files they ran; --save this run and --merge it with them")
     parser.add_argument("--messages", type=int, default=5, help="failure messages shown per file")
     parser.add_argument("--failures", type=Path, default=None,
                         help="write each failed case's id and message into this folder (JSON)")
@@ -297,6 +341,19 @@ def main(argv=None) -> int:
     entries = [e for e in manifest
                if e["peer"] in peers and Path(e["path"]).name.startswith("test_")
                and (not wanted or any(s in e["path"] for s in wanted))]
+    resume = None
+    if args.resume:
+        saved = {(row["peer"], row["path"]): row for row in merged_rows(args.resume)}
+        resume = {key: row["unrun_ids"] for key, row in saved.items() if row["unrun_ids"]}
+        if not resume:
+            parser.error("--resume: the saved runs name no case left unrun (none was, or they "
+                         "were saved before runs kept the ids)")
+        entries = [e for e in entries if (e["peer"], e["path"]) in resume]
+        for e in entries:
+            if saved[e["peer"], e["path"]]["commit"] != e["commit"][:12]:
+                parser.error(f"--resume: {e['peer']}/{e['path']} is at {e['commit'][:12]} here, "
+                             f"the saved run at {saved[e['peer'], e['path']]['commit']}: fetch "
+                             "that commit")
     # Small files first: under --budget what a file leaves unused passes to the later, larger
     # ones.
     entries.sort(key=lambda e: (RUN_LAST.index(Path(e["path"]).name)
@@ -312,7 +369,8 @@ def main(argv=None) -> int:
                 deadline = now + (start_wall + args.budget - now) / (len(entries) - done)
             if args.file_budget:
                 deadline = min(deadline or math.inf, time.time() + args.file_budget)
-            row = run_file(entry, args, Path(tmp), deadline)
+            only = None if resume is None else resume[(entry["peer"], entry["path"])]
+            row = run_file(entry, args, Path(tmp), deadline, only)
             rows.append(row)
             print("  " + ", ".join(f"{column} {row['counts'].get(column, 0)}"
                                    for column in COLUMNS) + f"; {row['seconds']:.1f} s",

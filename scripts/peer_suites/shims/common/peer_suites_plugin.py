@@ -1,5 +1,6 @@
 """pytest plugin of the peer-suite runner: samples large parametrisations
-(``--peer-max-cases``), skips what would start after a deadline (``--peer-deadline``), writes
+(``--peer-max-cases``), keeps named cases only (``--peer-only``: a run that finishes what an
+earlier one left unrun), skips what would start after a deadline (``--peer-deadline``), writes
 every case's outcome to a JSON file (``--peer-results``) for
 the runner's table, and frees cached device memory after each case."""
 
@@ -27,6 +28,10 @@ def pytest_addoption(parser):
     group.addoption("--peer-results", default=None, help="write each case's outcome here (JSON)")
     group.addoption("--peer-deadline", type=float, default=0,
                     help="skip (as unrun) every case that would start after this time.time()")
+    group.addoption("--peer-only", default=None,
+                    help="run only the cases whose node ids this JSON list holds (applied after "
+                         "the sample and before the shard); the ones kept are written beside "
+                         "--peer-results (.selected)")
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m have deselected
@@ -38,10 +43,17 @@ def pytest_collection_modifyitems(config, items):
     limit = config.getoption("--peer-max-cases")
     if limit and len(items) > limit:
         _keep(config, items, _sample(config, items, limit))
+    only = config.getoption("--peer-only")
+    if only:
+        with open(only) as f:
+            _keep(config, items, set(json.load(f)))
     shard = config.getoption("--peer-shard")
     if shard:
         k, n = (int(x) for x in shard.split("/"))
         _keep(config, items, {item.nodeid for i, item in enumerate(items) if i % n == k})
+    if results and only:
+        with open(results + ".selected", "w") as f:
+            json.dump([item.nodeid for item in items], f)
 
 
 def _keep(config, items, keep) -> None:
