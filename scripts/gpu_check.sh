@@ -36,6 +36,8 @@
 #                                 JSON and plot in sweep/; ~2 more minutes with every peer)
 #   GPU_CHECK_SANITIZER=1         also run the kernel and reliability tests under compute-sanitizer
 #                                 memcheck and racecheck (one process each, side by side)
+#   GPU_CHECK_SANITIZER_TIMEOUT=300  seconds each sanitizer process may take at most (the two run
+#                                 side by side; a run cut short reports the tests it passed)
 #   GPU_CHECK_SANITIZER_K=...     the -k expression of that run (default: a subset that covers
 #                                 every angle source, pairing, dtype and layout; "" for all)
 #   CUPYROPE_REQUIRE_INTEROP      default "torch,jax": the suite fails at start if one cannot be
@@ -310,7 +312,8 @@ SANITIZER_FILES=(tests/test_gpu.py tests/test_reliability_gpu.py tests/test_fuse
                  tests/test_nvfp4_cache.py tests/test_strided_last_dim.py)
 sanitize() {  # sanitize TOOL: one pytest process under compute-sanitizer --tool TOOL
     # One cudaMalloc per array (no CuPy pool) so that memcheck sees every array's bounds.
-    CUPYROPE_TEST_NO_POOL=1 compute-sanitizer --tool "$1" --print-limit 20 \
+    CUPYROPE_TEST_NO_POOL=1 timeout "${GPU_CHECK_SANITIZER_TIMEOUT:-300}" \
+        compute-sanitizer --tool "$1" --print-limit 20 \
         "${PY}" -m pytest "${SANITIZER_FILES[@]}" -m gpu -q -x -p no:cacheprovider \
         -k "${GPU_CHECK_SANITIZER_K-${SANITIZER_SUBSET}}" >"${OUT_DIR}/sanitizer_$1.log" 2>&1
 }
@@ -318,6 +321,9 @@ sanitizer_result() {  # sanitizer_result TOOL STATUS: the tool's summary line an
     local line tests
     line="$(grep -E '(ERROR|RACECHECK) SUMMARY' "${OUT_DIR}/sanitizer_$1.log" | tail -n 1 | sed 's/^=* *//')"
     tests="$(grep -E '[0-9]+ (passed|failed)' "${OUT_DIR}/sanitizer_$1.log" | tail -n 1 | sed 's/=//g; s/^ *//')"
+    if [[ "$2" -eq 124 ]]; then  # cut short: count the dots of pytest's progress lines
+        tests="timed out after ${GPU_CHECK_SANITIZER_TIMEOUT:-300} s, $(grep -E '^[.sFEx]+( +\[ *[0-9]+%\])?$' "${OUT_DIR}/sanitizer_$1.log" | tr -cd '.' | wc -c) passed before, $(grep -cE '^========= (Invalid|Error|Program hit)' "${OUT_DIR}/sanitizer_$1.log") sanitizer reports"
+    fi
     echo "${line:-no summary line}; ${tests:-no pytest summary} (exit $2)"
 }
 if [[ "${GPU_CHECK_SANITIZER:-0}" == 1 ]]; then
