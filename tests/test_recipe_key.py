@@ -210,3 +210,46 @@ def test_tensors_that_require_grad_are_keyed_only_with_grad_mode_off(monkeypatch
     with torch.no_grad():
         assert recipes.call_key(q, None, None, None, None, None,
                                 (10000.0, None, False, None, False, False, None)) is not None
+
+
+def test_fused_replays_refuse_inference_tensors_they_would_write_outside_inference_mode():
+    """A fused repeat call writes q and k (in place) and the caches: where one of them is an
+    inference tensor and inference mode is off, torch would refuse the write, so the replay
+    leaves the call to the full path (which raises torch's error) and launches nothing; absent
+    caches and an out-of-place call's inputs are not written. (CPU tensors stand in for CUDA
+    ones; the recipe records its launches.)"""
+    torch = pytest.importorskip("torch")
+
+    class Recipe:
+        in_place_checks, torch, vector, out_dtype = (), True, False, None
+
+        def __init__(self):
+            self.launches = 0
+
+        def launch(self, *args):
+            self.launches += 1
+
+    pointers = [0] * len(recipes.FUSED_OPERANDS)
+    plain = [torch.zeros(2, 4, 8) for _ in range(4)]
+    with torch.inference_mode():
+        frozen = torch.zeros(2, 4, 8)
+    cases = [  # (q, k, caches, inplace, replays)
+        (plain[0], plain[1], None, True, True),
+        (frozen, plain[1], None, True, False),
+        (plain[0], frozen, None, True, False),
+        (plain[0], None, None, True, True),
+        (frozen, plain[1], None, False, True),  # out of place: q is only read
+        (plain[0], plain[1], (plain[2], frozen), False, False),
+        (plain[0], plain[1], (frozen, None), True, False),
+        (plain[0], plain[1], (plain[2], None), True, True),
+    ]
+    for q, k, caches, inplace, replays in cases:
+        recipe = Recipe()
+        result = recipes.replay_fused(recipe, q, k, caches, pointers, inplace)
+        assert (result is not None) is replays and recipe.launches == int(replays), (
+            q is frozen, k is frozen, caches, inplace)
+        with torch.inference_mode():  # inside, torch takes the writes
+            assert recipes.replay_fused(recipe, q, k, caches, pointers, inplace) is not None
+    versions = plain[0]._version, plain[1]._version
+    recipes.replay_fused(Recipe(), plain[0], plain[1], None, pointers, True)
+    assert (plain[0]._version, plain[1]._version) == (versions[0] + 1, versions[1] + 1)

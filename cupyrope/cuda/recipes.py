@@ -365,10 +365,14 @@ def replay_fused(recipe: LaunchRecipe, q, k, caches, pointers, inplace: bool):
     ``caches`` are the k and v caches the call writes (or None)."""
     if recipe.in_place_checks and not _meets_as_checked(recipe, pointers):
         return None
-    written = ((q, k) if inplace else ()) + (caches or ())
-    written = tuple(x for x in written if x is not None)
-    if recipe.torch and not inference_mode_enabled() and any(x.is_inference() for x in written):
-        return None  # torch refuses these writes: the full path raises its error
+    # The arrays the launch writes (no generators: this is a repeat call's host time).
+    written = ((q,) if k is None else (q, k)) if inplace else ()
+    if caches is not None:  # (the k and v caches; either may be absent)
+        written += tuple(c for c in caches if c is not None)
+    if recipe.torch and written and not inference_mode_enabled():
+        for x in written:
+            if x.is_inference():
+                return None  # torch refuses these writes: the full path raises its error
     q_ptr, k_ptr, positions_ptr, cache_ptr, cos_ptr, sin_ptr = pointers[:6]
     if inplace:
         q_out, k_out, q_out_ptr, k_out_ptr = q, k, q_ptr, k_ptr
