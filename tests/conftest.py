@@ -115,22 +115,32 @@ def randn(rng):
     return make
 
 
-@pytest.fixture
-def launched_kernels(monkeypatch) -> list:
-    """The KernelSpec of every launch the test plans, in order (repeat calls of a layout replay
-    their first launch unplanned: the recipes of earlier tests are forgotten first)."""
+def _recorded_plans(monkeypatch, entry) -> list:
+    """``entry(spec)`` of every launch planned from here on, in order (repeat calls of a layout
+    replay their first launch unplanned: the recipes of earlier tests are forgotten first)."""
     from cupyrope import execute
     from cupyrope.cuda import launch
 
     execute.clear()
-
-    ran = []
+    recorded = []
     plan_launch = launch.plan_launch
 
     def recording(*args, **kwargs):
         spec = plan_launch(*args, **kwargs)
-        ran.append(spec.kernel)
+        recorded.append(entry(spec))
         return spec
 
     monkeypatch.setattr(launch, "plan_launch", recording)
-    return ran
+    return recorded
+
+
+@pytest.fixture
+def launched_kernels(monkeypatch) -> list:
+    """The KernelSpec of every launch the test plans, in order."""
+    return _recorded_plans(monkeypatch, lambda spec: spec.kernel)
+
+
+@pytest.fixture
+def planned_launches(monkeypatch) -> list:
+    """The LaunchSpec (kernel, grid, block...) of every launch the test plans, in order."""
+    return _recorded_plans(monkeypatch, lambda spec: spec)

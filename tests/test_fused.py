@@ -38,23 +38,6 @@ def _assert_close(out, expected64, dtype, what):
                                   f"at {np.unravel_index(np.argmax(err - bound), err.shape)}")
 
 
-def _recorded_launches(monkeypatch) -> list:
-    """The LaunchSpec of every launch planned from here on (recipes of earlier calls forgotten)."""
-    from cupyrope import execute
-    from cupyrope.cuda import launch
-
-    launches = []
-    plan_launch = launch.plan_launch
-
-    def recording(*args, **kwargs):
-        launches.append(plan_launch(*args, **kwargs))
-        return launches[-1]
-
-    monkeypatch.setattr(launch, "plan_launch", recording)
-    execute.clear()
-    return launches
-
-
 def _shuffled_paged_caches(backend, rng, T, Hk, D, dtype):
     """Zeroed k and v caches of blocks of 16 slots for ``T`` tokens, with their slot mapping:
     the blocks shuffled, every 7th token padding (-1)."""
@@ -225,12 +208,13 @@ def test_lean_and_general_fused_kernels(backend, rng, monkeypatch, launched_kern
 @pytest.mark.parametrize("dtype,interleaved", [("bfloat16", False), ("float16", True),
                                                ("float32", False)])
 @pytest.mark.parametrize("inplace,norm", [(False, True), (True, True), (True, False)])
-def test_rope_and_cache_many_tokens(backend, rng, monkeypatch, dtype, interleaved, inplace, norm):
+def test_rope_and_cache_many_tokens(backend, rng, planned_launches, dtype, interleaved, inplace,
+                                    norm):
     """Many tokens: odd T, heads that do not divide the block; with the norm the lean kernel
     loops over its tokens on a persistent grid (launch.FUSED_LEAN_PERSISTENT_WAVES)."""
     # On a GPU past a wave of resident blocks of up to 16 tokens on 132 SMs.
     T, Hq, Hk, D = 4099 if backend.name == "numpy" else 20011, 5, 3, 128
-    launches = _recorded_launches(monkeypatch)
+    launches = planned_launches
     positions = rng.integers(0, 8192, T)
     cache = cr.cos_sin_cache(8192, D, dtype="float32")
     q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
@@ -261,7 +245,7 @@ def test_rope_and_cache_many_tokens(backend, rng, monkeypatch, dtype, interleave
 @pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
 @pytest.mark.parametrize("op", ["rms_norm_rope", "rms_norm_rope few", "rope_and_cache",
                                 "fp8 out"])
-def test_fast_memory_launches_of_many_tokens(backend, rng, monkeypatch, op):
+def test_fast_memory_launches_of_many_tokens(backend, rng, monkeypatch, planned_launches, op):
     """On memory of 4 TB/s and more (the H200) many tokens take other launches: the norm up to
     FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS ("few": weights of q's dtype), the cache write up
     to FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS and fp8 outputs at any T the fused decode
@@ -271,7 +255,7 @@ def test_fast_memory_launches_of_many_tokens(backend, rng, monkeypatch, op):
     from cupyrope.cuda import launch
 
     monkeypatch.setattr(launch, "_memory_bandwidth", lambda device: 4.8e12)
-    launches = _recorded_launches(monkeypatch)
+    launches = planned_launches
     # Past a wave of resident blocks on 132 SMs; the others below their decode limits.
     T = {"rope_and_cache": 9001, "rms_norm_rope few": 2000}.get(op, 20011)
     Hq, Hk, D, dtype = 5, 3, 128, "bfloat16"

@@ -228,13 +228,13 @@ def _fused_launch(op, T, D=128, hq=32, hk=8, dtype=np.float32, positions=None,
 
 @pytest.mark.parametrize("op", ["norm", "cache", "norm+cache", "fp8"])
 def test_fast_memory_moves_the_fused_launches_of_many_tokens(op):
-    """On memory of FUSED_DECODE_FAST_MEMORY bytes per second and more the fused decode kernel
+    """On memory of FAST_MEMORY bytes per second and more the fused decode kernel
     runs the cache write up to FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS tokens, fp8 outputs at
     any T and the norm up to FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS; past that the norm alone
     takes a persistent grid of the lean kernel, the norm with the cache write its own (the same
     on any memory). Computed angles and slower or unknown memory keep the decode kernel to
     FUSED_DECODE_MAX_TOKENS (FUSED_DECODE_MAX_NORM_TOKENS with the norm)."""
-    fast = launch.FUSED_DECODE_FAST_MEMORY
+    fast = launch.FAST_MEMORY
     if "norm" in op:
         most = launch.FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS
         for T, decodes in ((most, True), (most + 1, False)):
@@ -271,7 +271,7 @@ def test_fast_memory_puts_sectioned_mrope_on_a_persistent_grid(op):
     """Sectioned M-RoPE (Qwen2-VL) runs the lean kernel on a persistent grid on fast memory;
     interleaved M-RoPE (Qwen3-VL), partial rotations and slower memory keep a block per token
     group (the norm with the cache write too, where M-RoPE is concerned)."""
-    T, fast = 65536, launch.FUSED_LEAN_NORM_PERSISTENT_FAST_MEMORY
+    T, fast = 65536, launch.FAST_MEMORY
     positions = np.zeros((3, T), np.int64)
     table = dict(cos_sin_cache=np.zeros((4096, 128), np.float32))
     for interleaved in (False, True):

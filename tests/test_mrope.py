@@ -190,7 +190,8 @@ def test_fused_ops_match_transformers(model, source, dtype, op, kernel, rng, mon
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["rms_norm_rope", "rope_and_cache"])
-def test_sectioned_mrope_persistent_grid_gives_the_same_bits(op, rng, monkeypatch):
+def test_sectioned_mrope_persistent_grid_gives_the_same_bits(op, rng, monkeypatch,
+                                                            planned_launches):
     """On fast memory sectioned M-RoPE runs the lean kernel on a persistent grid (each block
     loops over its tokens): the same outputs and cache rows, bit for bit, as one block per
     token group on slower memory, whose values the tests above hold to transformers'."""
@@ -209,15 +210,7 @@ def test_sectioned_mrope_persistent_grid_gives_the_same_bits(op, rng, monkeypatc
     table = cr.cos_sin_cache(4096, D, theta=THETA, like=q)
     scaling = {"rope_type": "default", "mrope_section": [16, 24, 24]}
     slots = cp.asarray(rng.permutation(T + 64)[:T])
-    grids, results = [], []
-    planned = launch.plan_launch
-
-    def recording(*args, **kwargs):
-        spec = planned(*args, **kwargs)
-        grids.append((spec.kernel, spec.grid, spec.block))
-        return spec
-
-    monkeypatch.setattr(launch, "plan_launch", recording)
+    results = []
     for bandwidth in (4.8e12, 3.35e12):
         monkeypatch.setattr(launch, "_memory_bandwidth", lambda device, b=bandwidth: b)
         execute.clear()
@@ -229,7 +222,8 @@ def test_sectioned_mrope_persistent_grid_gives_the_same_bits(op, rng, monkeypatc
             out = cr.rope_and_cache(q, k, v, positions, *caches, slots, scaling=scaling,
                                     cos_sin_cache=table, inplace=False)
         results.append([cp.asnumpy(x) for x in out])
-    (fast_kernel, fast_grid, block), (slow_kernel, slow_grid, _) = grids
+    (fast_kernel, fast_grid, block), (slow_kernel, slow_grid, _) = (
+        (spec.kernel, spec.grid, spec.block) for spec in planned_launches)
     assert fast_kernel == slow_kernel and fast_kernel.lean and fast_kernel.mrope
     assert fast_grid[0] < -(-T // block[2]) == slow_grid[0], (fast_grid, slow_grid, block)
     for fast, slow in zip(*results):

@@ -550,6 +550,12 @@ def _memory_bandwidth(device: int) -> float:
     return 2.0 * khz * 1e3 * bits / 8
 
 
+# Memory of at least this many bytes per second (the H200's 4.8 TB/s; an H100 SXM has 3.35) takes
+# the launches measured faster there: four held heads on the lean all-heads kernel, the fused
+# decode kernel past decode, persistent lean grids (each choice's measurements beside it).
+FAST_MEMORY = 4.0e12
+
+
 def _resident_blocks(threads: int, num_regs: int) -> int:
     """Blocks of ``threads`` that fit on one SM (Hopper/Ampere limits: 2048 threads, 64K
     registers allocated per warp in units of 256, 32 blocks)."""
@@ -691,14 +697,13 @@ LEAN_ALL_HEADS_HELD = {False: 2, True: 4}  # by plan.interleaved
 # 79.5 / 83.6 -> 85.4 / 89.1 % of an SM copy at T = 16384 / 65536, with the cache write 72.4 /
 # 74.0 -> 77.1 / 78.1, T = 4096 71.5 -> 72.8 and 66.5 -> 70.1; H100 (3.35 TB/s) 93.2 -> 83.1 at
 # T = 16384; decode 0.5-1.3 µs slower on both (docs/perf_log.md).
-LEAN_ALL_HEADS_FAST_MEMORY = 4.0e12
 LEAN_ALL_HEADS_FAST_MEMORY_MIN_TOKENS = 4096
 
 
 def lean_all_heads_held(plan: RopePlan, memory_bandwidth: float) -> int:
     """The heads a thread row of the lean all-heads kernel holds for ``plan`` on a device of
     ``memory_bandwidth`` bytes per second (0: unknown, the narrower choice)."""
-    if (not plan.interleaved and memory_bandwidth >= LEAN_ALL_HEADS_FAST_MEMORY
+    if (not plan.interleaved and memory_bandwidth >= FAST_MEMORY
             and plan.num_tokens >= LEAN_ALL_HEADS_FAST_MEMORY_MIN_TOKENS):
         return 4
     return LEAN_ALL_HEADS_HELD[plan.interleaved]
@@ -740,13 +745,11 @@ def lean_all_heads_geometry(plan: RopePlan, pairs: int, num_regs: int, multiproc
 # rms_norm_rope alone lost 9 points at T = 16384 on the H100 (gains 0.3-1.5 on the H200: below),
 # the cache write alone and fp8 outputs lost 1-10 on both (docs/perf_log.md).
 FUSED_LEAN_PERSISTENT_WAVES = 1
-# The norm alone and sectioned M-RoPE (Qwen2-VL's, either op) take the persistent grid on memory
-# of at least this many bytes per second (the H200's 4.8 TB/s: the norm 0.3-1.5 points of an SM
-# copy more at T = 1024-65536, sectioned M-RoPE 3.4-5.1 at T = 16384 and 65536; the H100 lost 9
-# with the norm at T = 16384). Interleaved M-RoPE lost 2.8 points at T = 65536 and partial
-# rotations (+3 at 16384, -0.2 / -2.8 at 65536) stay on a block per token group.
-# measured: docs/perf_log.md#fused_decode_fast_memory
-FUSED_LEAN_NORM_PERSISTENT_FAST_MEMORY = 4.0e12
+# On FAST_MEMORY the norm alone and sectioned M-RoPE (Qwen2-VL's, either op) take the persistent
+# grid too (the H200: the norm 0.3-1.5 points of an SM copy more at T = 1024-65536, sectioned
+# M-RoPE 3.4-5.1 at T = 16384 and 65536; the H100 lost 9 with the norm at T = 16384).
+# Interleaved M-RoPE lost 2.8 points at T = 65536 and partial rotations (+3 at 16384, -0.2 / -2.8
+# at 65536) stay on a block per token group. measured: docs/perf_log.md#fast_memory
 
 
 def fused_lean_persistent_waves(spec: KernelSpec, memory_bandwidth: float,
@@ -756,7 +759,7 @@ def fused_lean_persistent_waves(spec: KernelSpec, memory_bandwidth: float,
     for one block per token group. ``mrope_mode``: the plan's M-RoPE (sectioned M-RoPE takes
     the persistent grid on fast memory, interleaved keeps a block per token group); partial
     rotations keep one block per token group."""
-    fast = memory_bandwidth >= FUSED_LEAN_NORM_PERSISTENT_FAST_MEMORY
+    fast = memory_bandwidth >= FAST_MEMORY
     if spec.mrope:
         return FUSED_LEAN_PERSISTENT_WAVES if fast and mrope_mode == MROPE_SECTIONED else None
     if spec.partial:
@@ -794,16 +797,15 @@ def lean_pass_lanes(plan: RopePlan, pairs: int, copy_pass: bool) -> int:
 # 512 6.44 -> 6.33, 2048 18.62 -> 19.45. measured: docs/perf_log.md#fused_decode_max_tokens
 FUSED_DECODE_MAX_TOKENS = 2048
 FUSED_DECODE_MAX_NORM_TOKENS = 256
-# On memory of at least FUSED_DECODE_FAST_MEMORY bytes per second (the H200's 4.8 TB/s) the fused
-# decode kernel's many small work items keep more bytes in flight than the lean kernel's loop
-# over a thread's heads, past the few tokens of a serving step too. From a table it runs launches
+# On FAST_MEMORY (the H200) the fused decode kernel's many small work items keep more bytes in
+# flight than the lean kernel's loop over a thread's heads, past the few tokens of a serving step
+# too. From a table it runs launches
 # with the cache write up to FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS (past them the lean kernel
 # is faster), those with neither the norm nor the cache write at any T (6-9 points of an SM copy
 # more at T = 4096) and those with the norm up to FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS (from
 # 3072 each head's reduction, exposed, makes it slower). Slower memory (the H100) and computed
 # angles keep FUSED_DECODE_MAX_TOKENS and FUSED_DECODE_MAX_NORM_TOKENS.
-# measured: docs/perf_log.md#fused_decode_fast_memory
-FUSED_DECODE_FAST_MEMORY = 4.0e12
+# measured: docs/perf_log.md#fast_memory
 FUSED_DECODE_FAST_MEMORY_MAX_CACHE_TOKENS = 16384
 FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS = 2048
 
@@ -811,7 +813,7 @@ FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS = 2048
 def fused_decode_max_tokens(plan: RopePlan, memory_bandwidth: float) -> float:
     """The most tokens of a launch of ``plan`` that the fused decode kernel runs on a device of
     ``memory_bandwidth`` bytes per second (0: unknown, the few tokens of a serving step)."""
-    fast = memory_bandwidth >= FUSED_DECODE_FAST_MEMORY and plan.source != AngleSource.COMPUTED
+    fast = memory_bandwidth >= FAST_MEMORY and plan.source != AngleSource.COMPUTED
     if plan.fusion.norm:
         return FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS if fast else FUSED_DECODE_MAX_NORM_TOKENS
     if fast:

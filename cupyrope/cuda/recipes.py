@@ -368,7 +368,9 @@ def replay_fused(recipe: LaunchRecipe, q, k, caches, pointers, inplace: bool):
     # The arrays the launch writes (no generators: this is a repeat call's host time).
     written = ((q,) if k is None else (q, k)) if inplace else ()
     if caches is not None:  # (the k and v caches; either may be absent)
-        written += tuple(c for c in caches if c is not None)
+        for cache in caches:
+            if cache is not None:
+                written += (cache,)
     if recipe.torch and written and not inference_mode_enabled():
         for x in written:
             if x.is_inference():
