@@ -18,7 +18,7 @@
 #
 # Files written to ${OUT:-/tmp} (the device tool returns at most 8): pytest.log, pytest.xml (times),
 # first_call_{cold,warm}.log, and, when they run, bench.log, bench_summary.md, bench.json, sweep/ (table, JSON,
-# plot) and sanitizer_{memcheck,racecheck}.log.
+# plot) and sanitizer_{memcheck,racecheck}[.K].log.
 #
 # Knobs (environment):
 #   GPU_CHECK_SUITE=0             skip the test suite (e.g. for a sanitizer-only run)
@@ -40,6 +40,17 @@
 #                                 side by side; a run cut short reports the tests it passed)
 #   GPU_CHECK_SANITIZER_K=...     the -k expression of that run (default: a subset that covers
 #                                 every angle source, pairing, dtype and layout; "" for all)
+#   GPU_CHECK_SANITIZER_FILES=... the test files (paths, space-separated) of that run (default: the
+#                                 kernel and reliability files; "tests" with GPU_CHECK_SANITIZER_K=""
+#                                 for the whole GPU suite, as SPEC section 5 asks)
+#   GPU_CHECK_SANITIZER_SHARDS=N  sanitizer processes per tool (default 1), each over every N-th
+#                                 test (CUPYROPE_TEST_SHARD), spread over the visible GPUs; logs
+#                                 sanitizer_{memcheck,racecheck}.K.log when N > 1
+#   GPU_CHECK_SANITIZER_MAXFAIL=1 failed tests after which a sanitizer process stops (default 1)
+#   The whole GPU suite (SPEC section 5) on four GPUs, 64 cores: GPU_CHECK_SUITE=0 GPU_CHECK_BENCH=0
+#   GPU_CHECK_SANITIZER=1 GPU_CHECK_SANITIZER_FILES=tests GPU_CHECK_SANITIZER_K="" \
+#   GPU_CHECK_SANITIZER_SHARDS=14 GPU_CHECK_SANITIZER_MAXFAIL=20 GPU_CHECK_SANITIZER_TIMEOUT=480
+#   (at 5dda58c ~3-6.5 minutes a shard: see docs/reliability.md)
 #   CUPYROPE_REQUIRE_INTEROP      default "torch,jax": the suite fails at start if one cannot be
 #                                 imported (set it empty to let those tests skip instead)
 #   PYTHON                        interpreter (default: python)
@@ -310,34 +321,77 @@ SANITIZER_SUBSET="not 2p31 and not threads and not repeat_calls and not guard_by
 SANITIZER_FILES=(tests/test_gpu.py tests/test_reliability_gpu.py tests/test_fused.py tests/test_mla.py
                  tests/test_fused_mla.py tests/test_rerotate.py tests/test_fp8_per_head.py
                  tests/test_nvfp4_cache.py tests/test_strided_last_dim.py)
-sanitize() {  # sanitize TOOL: one pytest process under compute-sanitizer --tool TOOL
-    # One cudaMalloc per array (no CuPy pool) so that memcheck sees every array's bounds.
-    CUPYROPE_TEST_NO_POOL=1 timeout "${GPU_CHECK_SANITIZER_TIMEOUT:-300}" \
-        compute-sanitizer --tool "$1" --print-limit 20 \
-        "${PY}" -m pytest "${SANITIZER_FILES[@]}" -m gpu -q -x -p no:cacheprovider \
-        -k "${GPU_CHECK_SANITIZER_K-${SANITIZER_SUBSET}}" >"${OUT_DIR}/sanitizer_$1.log" 2>&1
+if [[ -n "${GPU_CHECK_SANITIZER_FILES:-}" ]]; then
+    read -r -a SANITIZER_FILES <<<"${GPU_CHECK_SANITIZER_FILES}"
+fi
+# Shards: each its own compute-sanitizer process over every SHARDS-th test (CUPYROPE_TEST_SHARD,
+# tests/conftest.py), spread over the visible GPUs. Not pytest-xdist under one sanitizer: 28
+# workers under one compute-sanitizer each ran no test in 420 s (H200, 2026-11-28).
+SANITIZER_SHARDS="${GPU_CHECK_SANITIZER_SHARDS:-1}"
+mapfile -t SANITIZER_GPUS < <(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null)
+if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    IFS=, read -r -a SANITIZER_GPUS <<<"${CUDA_VISIBLE_DEVICES}"
+fi
+[[ ${#SANITIZER_GPUS[@]} -gt 0 ]] || SANITIZER_GPUS=(0)
+sanitizer_log() {  # sanitizer_log TOOL SHARD
+    if [[ "${SANITIZER_SHARDS}" -eq 1 ]]; then echo "${OUT_DIR}/sanitizer_$1.log"; else echo "${OUT_DIR}/sanitizer_$1.$2.log"; fi
 }
-sanitizer_result() {  # sanitizer_result TOOL STATUS: the tool's summary line and pytest's
-    local line tests
-    line="$(grep -E '(ERROR|RACECHECK) SUMMARY' "${OUT_DIR}/sanitizer_$1.log" | tail -n 1 | sed 's/^=* *//')"
-    tests="$(grep -E '[0-9]+ (passed|failed)' "${OUT_DIR}/sanitizer_$1.log" | tail -n 1 | sed 's/=//g; s/^ *//')"
-    if [[ "$2" -eq 124 ]]; then  # cut short: count the dots of pytest's progress lines
-        tests="timed out after ${GPU_CHECK_SANITIZER_TIMEOUT:-300} s, $(grep -E '^[.sFEx]+( +\[ *[0-9]+%\])?$' "${OUT_DIR}/sanitizer_$1.log" | tr -cd '.' | wc -c) passed before, $(grep -cE '^========= (Invalid|Error|Program hit)' "${OUT_DIR}/sanitizer_$1.log") sanitizer reports"
+sanitize() {  # sanitize TOOL SHARD GPU: one pytest process under compute-sanitizer --tool TOOL
+    # One cudaMalloc per array (no CuPy pool) so that memcheck sees every array's bounds.
+    CUDA_VISIBLE_DEVICES="$3" CUPYROPE_TEST_SHARD="$2/${SANITIZER_SHARDS}" CUPYROPE_TEST_NO_POOL=1 \
+        timeout --kill-after=15 "${GPU_CHECK_SANITIZER_TIMEOUT:-300}" \
+        compute-sanitizer --tool "$1" --print-limit 20 \
+        "${PY}" -m pytest "${SANITIZER_FILES[@]}" -m gpu -q -p no:cacheprovider \
+        --maxfail="${GPU_CHECK_SANITIZER_MAXFAIL:-1}" \
+        -k "${GPU_CHECK_SANITIZER_K-${SANITIZER_SUBSET}}" >"$(sanitizer_log "$1" "$2")" 2>&1
+    echo "$?" >"$(sanitizer_log "$1" "$2").status"
+}
+sanitizer_result() {  # sanitizer_result TOOL: the tool's summaries and pytest's, over its shards
+    local shard log status errors=0 processes=0 kind="" passed=0 failed=0 cut=0 reports=0 worst=0 n
+    for ((shard = 0; shard < SANITIZER_SHARDS; shard++)); do
+        log="$(sanitizer_log "$1" "${shard}")"
+        status="$(cat "${log}.status" 2>/dev/null || echo 1)"
+        rm -f "${log}.status"
+        [[ "${status}" -gt "${worst}" ]] && worst="${status}"
+        # "ERROR SUMMARY: 0 errors" / "RACECHECK SUMMARY: 0 hazards displayed (...)"
+        while read -r n; do
+            errors=$((errors + n)); processes=$((processes + 1))
+        done < <(grep -E '(ERROR|RACECHECK) SUMMARY' "${log}" | sed -E 's/^=* *//; s/^[A-Z]+ SUMMARY: ([0-9]+).*/\1/')
+        n="$(grep -oE '(ERROR|RACECHECK) SUMMARY' "${log}" | tail -n 1)"; kind="${n:-${kind}}"
+        if [[ "${status}" -eq 124 || "${status}" -eq 137 ]]; then  # cut short: count pytest's dots
+            cut=$((cut + 1))
+            passed=$((passed + $(grep -E '^[.sFEx]+( +\[ *[0-9]+%\])?$' "${log}" | tr -cd '.' | wc -c)))
+            reports=$((reports + $(grep -cE '^========= (Invalid|Error|Program hit|Race)' "${log}")))
+        else
+            n="$(grep -oE '[0-9]+ passed' "${log}" | tail -n 1 | cut -d' ' -f1)"; passed=$((passed + ${n:-0}))
+            n="$(grep -oE '[0-9]+ failed' "${log}" | tail -n 1 | cut -d' ' -f1)"; failed=$((failed + ${n:-0}))
+        fi
+    done
+    local line="${kind:-no summary line}${kind:+: ${errors} in ${processes} of ${SANITIZER_SHARDS} process(es)}"
+    local tests="${passed} passed, ${failed} failed"
+    if [[ "${cut}" -gt 0 ]]; then
+        tests+="; ${cut} shard(s) timed out after ${GPU_CHECK_SANITIZER_TIMEOUT:-300} s (${reports} sanitizer reports in them)"
     fi
-    echo "${line:-no summary line}; ${tests:-no pytest summary} (exit $2)"
+    echo "${line}; ${tests} (worst exit ${worst})"
 }
 if [[ "${GPU_CHECK_SANITIZER:-0}" == 1 ]]; then
     if command -v compute-sanitizer >/dev/null 2>&1; then
         # The two tools run side by side (each instrumented process uses one core; neither times
-        # anything), after the benchmarks.
-        section "compute-sanitizer memcheck and racecheck (side by side)"
-        sanitize memcheck & memcheck_pid=$!
-        sanitize racecheck & racecheck_pid=$!
-        wait "${memcheck_pid}"; memcheck_status=$?
-        wait "${racecheck_pid}"; racecheck_status=$?
-        MEMCHECK="$(sanitizer_result memcheck "${memcheck_status}")"
-        RACECHECK="$(sanitizer_result racecheck "${racecheck_status}")"
-        tail -n 3 "${OUT_DIR}/sanitizer_memcheck.log" "${OUT_DIR}/sanitizer_racecheck.log"
+        # anything), after the benchmarks; shard k of tool t on GPU (t * SHARDS + k) mod GPUs.
+        section "compute-sanitizer memcheck and racecheck (side by side, ${SANITIZER_SHARDS} shard(s) each)"
+        SANITIZER_PIDS=()
+        tool_index=0
+        for tool in memcheck racecheck; do
+            for ((shard = 0; shard < SANITIZER_SHARDS; shard++)); do
+                gpu="${SANITIZER_GPUS[$(((tool_index * SANITIZER_SHARDS + shard) % ${#SANITIZER_GPUS[@]}))]}"
+                sanitize "${tool}" "${shard}" "${gpu}" & SANITIZER_PIDS+=($!)
+            done
+            tool_index=$((tool_index + 1))
+        done
+        wait "${SANITIZER_PIDS[@]}"
+        MEMCHECK="$(sanitizer_result memcheck)"
+        RACECHECK="$(sanitizer_result racecheck)"
+        tail -n 3 "$(sanitizer_log memcheck 0)" "$(sanitizer_log racecheck 0)"
     else
         MEMCHECK="compute-sanitizer not found"
         RACECHECK="${MEMCHECK}"

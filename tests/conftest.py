@@ -6,6 +6,9 @@
 - ``@pytest.mark.gpu``: skipped unless ``cupy.is_available()``.
 - CUPYROPE_REQUIRE_INTEROP="torch,jax,...": the session fails at start if one of them cannot be imported,
   so that CI cannot silently skip the interop tests.
+- CUPYROPE_TEST_SHARD="K/N": run every N-th selected test from the K-th (0-based), the others
+  deselected; the N shards of one selection run each test exactly once (scripts/gpu_check.sh runs
+  the GPU suite under compute-sanitizer as separate processes this way).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tolerances import np_dtype  # noqa: E402
 
 REQUIRE_INTEROP_ENV = "CUPYROPE_REQUIRE_INTEROP"
+TEST_SHARD_ENV = "CUPYROPE_TEST_SHARD"
 
 
 def random_array(rng: np.random.Generator, shape, dtype="float32") -> np.ndarray:
@@ -68,6 +72,20 @@ def pytest_configure(config):
         )
 
 
+def _test_shard() -> tuple[int, int] | None:
+    """(K, N) from CUPYROPE_TEST_SHARD="K/N", None when unset; a malformed value ends the session."""
+    raw = os.environ.get(TEST_SHARD_ENV, "").strip()
+    if not raw:
+        return None
+    index, _, count = raw.partition("/")
+    if index.isdigit() and count.isdigit() and int(index) < int(count):
+        return int(index), int(count)
+    pytest.exit(f"{TEST_SHARD_ENV}={raw!r} is not K/N with 0 <= K < N (e.g. 0/4), the shard to run; "
+                f"unset it to run every test.", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+# trylast: after -m / -k have deselected their tests, so that the shards split what is selected.
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     # The NVRTC builds (a minute each on one core) go first, so that a parallel run starts them
     # on separate workers before the short tests (a stable sort keeps every other order).
@@ -76,6 +94,11 @@ def pytest_collection_modifyitems(config, items):
         return group is not None and str(group.args[0] if group.args else "").startswith("nvrtc-")
 
     items.sort(key=lambda item: not is_nvrtc_build(item))
+    shard = _test_shard()
+    if shard is not None:
+        index, count = shard
+        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % count != index])
+        items[:] = items[index::count]
     if any(item.get_closest_marker("gpu") for item in items) and not _cupy_available():
         skip = pytest.mark.skip(reason="needs CuPy and a CUDA GPU (cupy.is_available() is false)")
         for item in items:
