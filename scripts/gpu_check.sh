@@ -341,7 +341,7 @@ sanitize() {  # sanitize TOOL SHARD GPU: one pytest process under compute-saniti
     CUDA_VISIBLE_DEVICES="$3" CUPYROPE_TEST_SHARD="$2/${SANITIZER_SHARDS}" CUPYROPE_TEST_NO_POOL=1 \
         timeout --kill-after=15 "${GPU_CHECK_SANITIZER_TIMEOUT:-300}" \
         compute-sanitizer --tool "$1" --print-limit 20 \
-        "${PY}" -m pytest "${SANITIZER_FILES[@]}" -m gpu -q -p no:cacheprovider \
+        "${PY}" -m pytest "${SANITIZER_FILES[@]}" -m gpu -v --durations=10 -p no:cacheprovider \
         --maxfail="${GPU_CHECK_SANITIZER_MAXFAIL:-1}" \
         -k "${GPU_CHECK_SANITIZER_K-${SANITIZER_SUBSET}}" >"$(sanitizer_log "$1" "$2")" 2>&1
     echo "$?" >"$(sanitizer_log "$1" "$2").status"
@@ -358,9 +358,11 @@ sanitizer_result() {  # sanitizer_result TOOL: the tool's summaries and pytest's
             errors=$((errors + n)); processes=$((processes + 1))
         done < <(grep -E '(ERROR|RACECHECK) SUMMARY' "${log}" | sed -E 's/^=* *//; s/^[A-Z]+ SUMMARY: ([0-9]+).*/\1/')
         n="$(grep -oE '(ERROR|RACECHECK) SUMMARY' "${log}" | tail -n 1)"; kind="${n:-${kind}}"
-        if [[ "${status}" -eq 124 || "${status}" -eq 137 ]]; then  # cut short: count pytest's dots
+        if [[ "${status}" -eq 124 || "${status}" -eq 137 ]]; then
+            # Cut short: pytest -v's lines so far (the last one names the test it was in).
             cut=$((cut + 1))
-            passed=$((passed + $(grep -E '^[.sFEx]+( +\[ *[0-9]+%\])?$' "${log}" | tr -cd '.' | wc -c)))
+            passed=$((passed + $(grep -cE '::.* PASSED' "${log}")))
+            failed=$((failed + $(grep -cE '::.* FAILED' "${log}")))
             reports=$((reports + $(grep -cE '^========= (Invalid|Error|Program hit|Race)' "${log}")))
         else
             n="$(grep -oE '[0-9]+ passed' "${log}" | tail -n 1 | cut -d' ' -f1)"; passed=$((passed + ${n:-0}))
@@ -389,6 +391,15 @@ if [[ "${GPU_CHECK_SANITIZER:-0}" == 1 ]]; then
             tool_index=$((tool_index + 1))
         done
         wait "${SANITIZER_PIDS[@]}"
+        for tool in memcheck racecheck; do  # where a process cut short was: its last test line
+            for ((shard = 0; shard < SANITIZER_SHARDS; shard++)); do
+                log="$(sanitizer_log "${tool}" "${shard}")"
+                status="$(cat "${log}.status" 2>/dev/null || echo 1)"
+                if [[ "${status}" -eq 124 || "${status}" -eq 137 ]]; then
+                    echo "${tool} shard ${shard} cut short in: $(grep -E '^tests/.*::' "${log}" | tail -n 1 | cut -d' ' -f1)"
+                fi
+            done
+        done
         MEMCHECK="$(sanitizer_result memcheck)"
         RACECHECK="$(sanitizer_result racecheck)"
         tail -n 3 "$(sanitizer_log memcheck 0)" "$(sanitizer_log racecheck 0)"
