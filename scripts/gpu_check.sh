@@ -359,7 +359,9 @@ sanitizer_result() {  # sanitizer_result TOOL: the tool's summaries and pytest's
         done < <(grep -E '(ERROR|RACECHECK) SUMMARY' "${log}" | sed -E 's/^=* *//; s/^[A-Z]+ SUMMARY: ([0-9]+).*/\1/')
         n="$(grep -oE '(ERROR|RACECHECK) SUMMARY' "${log}" | tail -n 1)"; kind="${n:-${kind}}"
         if [[ "${status}" -eq 124 || "${status}" -eq 137 ]]; then
-            # Cut short: pytest -v's lines so far (the last one names the test it was in).
+            # Cut short: pytest -v's lines so far; the last one names the test it was in (to the
+            # log, beside the summary this function returns).
+            echo "$1 shard ${shard} cut short in: $(grep -E '^tests/.*::' "${log}" | tail -n 1 | cut -d' ' -f1)" >&2
             cut=$((cut + 1))
             passed=$((passed + $(grep -cE '::.* PASSED' "${log}")))
             failed=$((failed + $(grep -cE '::.* FAILED' "${log}")))
@@ -391,15 +393,6 @@ if [[ "${GPU_CHECK_SANITIZER:-0}" == 1 ]]; then
             tool_index=$((tool_index + 1))
         done
         wait "${SANITIZER_PIDS[@]}"
-        for tool in memcheck racecheck; do  # where a process cut short was: its last test line
-            for ((shard = 0; shard < SANITIZER_SHARDS; shard++)); do
-                log="$(sanitizer_log "${tool}" "${shard}")"
-                status="$(cat "${log}.status" 2>/dev/null || echo 1)"
-                if [[ "${status}" -eq 124 || "${status}" -eq 137 ]]; then
-                    echo "${tool} shard ${shard} cut short in: $(grep -E '^tests/.*::' "${log}" | tail -n 1 | cut -d' ' -f1)"
-                fi
-            done
-        done
         MEMCHECK="$(sanitizer_result memcheck)"
         RACECHECK="$(sanitizer_result racecheck)"
         tail -n 3 "$(sanitizer_log memcheck 0)" "$(sanitizer_log racecheck 0)"
