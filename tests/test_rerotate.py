@@ -157,21 +157,24 @@ def make_cache(rng, name, layout, *, num_blocks=6, block_size=4, heads=2, head_d
     return stored, slot_rows(stored, layout).astype(np.float64) * scale
 
 
-# (layout, interleaved, head_dim, rotary_dim, block_size, delta): 16-byte accesses; the other
-# layout and pairing with partial rotary dims and one delta for every slot; a head size whose
-# halves take the scalar path (and one-slot blocks, SGLang's token-slot cache).
-CASES = [("NHD", False, 64, 64, 4, "array"), ("HND", True, 64, 48, 4, "int"),
-         ("NHD", False, 80, 76, 1, "array")]
+# (layout, interleaved, head_dim, rotary_dim, block_size, delta, slots x heads): 16-byte accesses
+# at few rows (a pair per thread where angles or fp8 conversions would chain, see
+# cupyrope/cuda/launch.py) and at many; the other layout and pairing with partial rotary dims
+# and one delta for every slot; a head size whose halves take the scalar path (and one-slot
+# blocks, SGLang's token-slot cache).
+CASES = [("NHD", False, 64, 64, 4, "array", (24, 2)), ("NHD", False, 64, 64, 16, "array", (576, 8)),
+         ("HND", True, 64, 48, 4, "int", (24, 2)), ("NHD", False, 80, 76, 1, "array", (24, 2))]
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("source", ["computed", "cache"])
-@pytest.mark.parametrize("case", CASES, ids=["NHD-neox", "HND-gptj-partial", "NHD-scalar-path"])
+@pytest.mark.parametrize("case", CASES, ids=["NHD-neox", "NHD-neox-many-rows", "HND-gptj-partial",
+                                             "NHD-scalar-path"])
 def test_rerotate_matches_the_reference(backend, rng, name, source, case):
-    layout, interleaved, head_dim, rotary_dim, block_size, kind = case
+    layout, interleaved, head_dim, rotary_dim, block_size, kind, (total, heads) = case
     stored, rows64 = make_cache(rng, name, layout, block_size=block_size, head_dim=head_dim,
-                                num_blocks=24 // block_size)
+                                num_blocks=total // block_size, heads=heads)
     num_slots = rows64.shape[0]
     slots = rng.permutation(num_slots)[:num_slots - 5].astype(np.int64)
     slots[::4] = -1  # skipped
@@ -623,21 +626,37 @@ def test_launch_plan_without_a_gpu(rng):
     from cupyrope.core.rerotate import plan_rerotate
     from cupyrope.cuda import launch
 
-    cache = np.zeros((10, 16, 8, 128), ml_dtypes.float8_e4m3fn)
-    slots = np.arange(100, dtype=np.int32)
-    plan = plan_rerotate(cache, slots, np.arange(100), k_scale=0.5, theta=1e6)
+    cache = np.zeros((100, 16, 8, 128), ml_dtypes.float8_e4m3fn)
+    slots = np.arange(1000, dtype=np.int32)
+    plan = plan_rerotate(cache, slots, np.arange(1000), k_scale=0.5, theta=1e6)
     spec = launch.plan_rerotate_launch(plan, inv_freq_ptr=4096, num_regs=lambda s: 96,
                                        multiprocessors=132)
     assert spec.kernel.name_expression == (
         "cupyrope::rerotate_cache_kernel<unsigned char, float, true, false, 2, 1>")
     r = spec.fusion_params
-    assert (int(r["num_slots"]), int(r["slots_are_int64"]), int(r["delta_is_int64"])) == (100, 0, 1)
-    assert (int(r["block_size"]), int(r["cache_slots"]), int(r["num_heads"])) == (16, 160, 8)
+    assert (int(r["num_slots"]), int(r["slots_are_int64"]), int(r["delta_is_int64"])) == (
+        1000, 0, 1)
+    assert (int(r["block_size"]), int(r["cache_slots"]), int(r["num_heads"])) == (16, 1600, 8)
     assert (int(r["block_stride"]), int(r["row_stride"]), int(r["head_stride"])) == (
         16 * 8 * 128, 8 * 128, 128)
     assert float(r["scale_value"]) == 0.5 and int(spec.params["inv_freq"]) == 4096
     assert spec.block[0] == 64 // 16  # lanes: 16 fp8 pairs of each half per 16-byte access
-    hnd = np.zeros((10, 8, 16, 80), np.float16)
+    # At few rows (slots x heads <= 4096) a pair per thread where each 16-byte access would chain
+    # computed angles or fp8 conversions; 16-bit elements with a cos / sin table keep the vectors.
+    few, table = slots[:512], np.zeros((64, 128), np.float32)
+    half = np.zeros((100, 16, 8, 128), np.float16)
+    for stored, scale, angles, vector in ((cache, 0.5, {}, False),
+                                          (cache, 0.5, {"cos_sin_cache": table}, False),
+                                          (half, None, {}, False),
+                                          (half, None, {"cos_sin_cache": table}, True)):
+        plan = plan_rerotate(stored, few, 3, k_scale=scale, **angles)
+        spec = launch.plan_rerotate_launch(plan, inv_freq_ptr=4096, num_regs=lambda s: 64,
+                                           multiprocessors=132)
+        assert spec.kernel.vector == vector, (stored.dtype, sorted(angles))
+    plan = plan_rerotate(cache, slots[:513], 3, k_scale=0.5)
+    assert launch.plan_rerotate_launch(plan, inv_freq_ptr=4096, num_regs=lambda s: 64,
+                                       multiprocessors=132).kernel.vector
+    hnd = np.zeros((100, 8, 16, 80), np.float16)
     for rotary_dim, vector in ((80, True), (76, False)):  # 76: no whole 16-byte accesses
         plan = plan_rerotate(hnd, slots, 3, layout="HND", interleaved=True, rotary_dim=rotary_dim)
         spec = launch.plan_rerotate_launch(plan, num_regs=lambda s: 64, multiprocessors=132)

@@ -1074,9 +1074,22 @@ def _compute_capability(device: int) -> int:
 # rerotate_cache (kernels_cu/rerotate.cuh): the cached keys of named slots rotated in place.
 
 
+# Few rows (slots x heads) cannot fill the GPU, so a launch's time is one thread's chain of work.
+# A 16-byte access gives a thread 16 fp8 pairs (8 of 16-bit types), each with its own angle; with
+# computed angles or fp8's conversions that chain outlasts the loads, and one pair per thread wins:
+# on an H200 at 32 / 512 slots x 8 heads, fp8 with computed angles 5.39 / 5.61 µs -> 3.10 / 3.78,
+# fp8 with a table 3.61 / 3.75 -> 3.02 / 3.80, bf16 computed 3.58 / 3.93 -> 2.96 / 3.61; bf16 with
+# a table lost (2.73 / 3.05 -> 2.91 / 3.73), and from 4096 slots the vectors win everywhere.
+RERO_ELEMENT_MAX_ROWS = 4096
+
+
 def _rerotate_vector_ok(plan: RerotatePlan) -> bool:
     """16-byte accesses: the rotated dims split into whole accesses (NeoX: each half), and the
-    cache's pointer and block, row and head strides aligned to them."""
+    cache's pointer and block, row and head strides aligned to them; not at few rows where each
+    access's angles or conversions are the longer chain (above)."""
+    if plan.num_slots * plan.num_heads <= RERO_ELEMENT_MAX_ROWS and (
+            plan.rope.source == AngleSource.COMPUTED or ITEMSIZE[plan.cache_dtype] == 1):
+        return False
     access, _ = access_layout(ITEMSIZE[plan.cache_dtype], True, plan.rope.interleaved)
     r = plan.rope.rotary_dim
     if (r if plan.rope.interleaved else r // 2) % access:
