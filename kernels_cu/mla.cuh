@@ -172,13 +172,17 @@ __device__ __forceinline__ void mla_rope_chunk(const T* in, const MlaTarget& out
   }
 }
 
-// One pass-through chunk of A elements: `in` stored at `out_offset` of `out` in `format`.
+// One pass-through chunk of `wide` ? 2 A : A elements: `in` stored at `out_offset` of `out` in
+// `format`, both loads issued before either store (two 16-byte accesses in flight a thread, and
+// an item's index and address work spent on twice the bytes).
 template <typename T, bool VECTOR, int A>
 __device__ __forceinline__ void mla_copy_chunk(const T* in, void* out, long long out_offset,
-                                               long long format, float inv_scale) {
-  float v[A];
+                                               long long format, float inv_scale, bool wide) {
+  float v[A], w[A];
   mla_load<T, VECTOR, A>(v, in);
+  if (wide) mla_load<T, VECTOR, A>(w, in + A);
   mla_store_values<T, VECTOR>(out, out_offset, v, format, inv_scale);
+  if (wide) mla_store_values<T, VECTOR>(out, out_offset + A, w, format, inv_scale);
 }
 
 // x / n for the item counts of a token, n > 0: a shift where n is a power of two (every DeepSeek
@@ -202,15 +206,15 @@ __device__ __forceinline__ void mla_part_item(
     const long long (&nope_strides)[2], void* nope_out, const long long (&nope_out_strides)[2],
     const void* pe, const long long (&pe_strides)[2], void* pe_out,
     const long long (&pe_out_strides)[2], long long format, float inv_scale,
-    const MlaTarget& cache, bool table_vector) {
+    const MlaTarget& cache, bool table_vector, int copy_width, bool wide) {
   if (item < nope_items) {
     const int head = nope_chunks.of(item);
     const int chunk = item - head * nope_chunks.n;
     const T* in = static_cast<const T*>(nope) + token * nope_strides[0] + head * nope_strides[1];
-    mla_copy_chunk<T, VECTOR, A>(in + chunk * A, nope_out,
+    mla_copy_chunk<T, VECTOR, A>(in + chunk * copy_width, nope_out,
                                  token * nope_out_strides[0] + head * nope_out_strides[1] +
-                                     chunk * A,
-                                 format, inv_scale);
+                                     chunk * copy_width,
+                                 format, inv_scale, wide);
   } else {
     const int rope_item = item - nope_items;
     const int head = rope_chunks.of(rope_item);
@@ -236,10 +240,18 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
   const long long half = p.rope_dim / 2;
   // A token's items (the same for every token): q's nope then rope chunks, k's, then the cache
   // row's. Counted in 32 bits (plan_mla_launch refuses larger tokens).
+  // Pass-through chunks of two accesses where every pass-through run splits into them (DeepSeek:
+  // nope 128, rank 512), else of one: the item's index and address work then buys twice the bytes
+  // (H200, DeepSeek-V3 at T = 65536: 61.3 -> 65.3 % of a copy). GPT-J pairs only: NeoX rope
+  // chunks hold twice the pairs, and 16-bit ones spilled 4-58 bytes beside the wide copies.
+  const bool wide = VECTOR && INTERLEAVED && p.nope_dim % (2 * A) == 0 &&
+                    p.k_nope_dim % (2 * A) == 0 && p.rank % (2 * A) == 0;
+  const int copy_width = wide ? 2 * A : A;
   const MlaDivisor rope_chunks(static_cast<int>(half) / P);
-  const MlaDivisor q_nope_chunks(p.q_nope_out != nullptr ? static_cast<int>(p.nope_dim) / A : 0);
-  const MlaDivisor k_nope_chunks(p.k_nope_out != nullptr ? static_cast<int>(p.k_nope_dim) / A
+  const MlaDivisor q_nope_chunks(p.q_nope_out != nullptr ? static_cast<int>(p.nope_dim) / copy_width
                                                          : 0);
+  const MlaDivisor k_nope_chunks(p.k_nope_out != nullptr
+                                     ? static_cast<int>(p.k_nope_dim) / copy_width : 0);
   const int q_nope_items = static_cast<int>(p.num_q_heads) * q_nope_chunks.n;
   const int k_nope_items = static_cast<int>(p.num_k_heads) * k_nope_chunks.n;
   const int q_items = p.q_pe_out != nullptr
@@ -279,7 +291,7 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
     const MlaTarget no_cache{nullptr, 0, 0, 0.0f};
     const MlaTarget cache_pe{slot >= 0 ? (joint ? p.kv_cache : p.kpe_cache) : nullptr,
                              pe_row + (joint ? p.rank : 0), p.cache_format, kv_inv};
-    const int rank_chunks = static_cast<int>(p.rank) / A;
+    const int rank_chunks = static_cast<int>(p.rank) / copy_width;
     const int cache_items = slot >= 0 ? rank_chunks + (k_items == 0 ? static_cast<int>(half) / P : 0)
                                       : 0;
     const int total = q_items + k_items + cache_items;
@@ -289,19 +301,21 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
         mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P>(
             p, item, token, position, q_nope_items, q_nope_chunks, rope_chunks, p.q_nope,
             p.q_nope_strides, p.q_nope_out, p.q_nope_out_strides, p.q_pe, p.q_pe_strides,
-            p.q_pe_out, p.q_pe_out_strides, p.out_format, q_inv, no_cache, table_vector);
+            p.q_pe_out, p.q_pe_out_strides, p.out_format, q_inv, no_cache, table_vector,
+            copy_width, wide);
       } else if (item < q_items + k_items) {
         mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P>(
             p, item - q_items, token, position, k_nope_items, k_nope_chunks, rope_chunks,
             p.k_nope, p.k_nope_strides, p.k_nope_out, p.k_nope_out_strides, p.k_pe,
             p.k_pe_strides, p.k_pe_out, p.k_pe_out_strides, p.out_format, k_inv, cache_pe,
-            table_vector);
+            table_vector, copy_width, wide);
       } else {
         const int chunk = item - q_items - k_items;
         if (chunk < rank_chunks) {
           mla_copy_chunk<T, VECTOR, A>(static_cast<const T*>(p.kv_c) + token * p.kv_c_stride +
-                                           chunk * A,
-                                       p.kv_cache, row + chunk * A, p.cache_format, kv_inv);
+                                           chunk * copy_width,
+                                       p.kv_cache, row + chunk * copy_width, p.cache_format,
+                                       kv_inv, wide);
         } else {
           const long long pair0 = static_cast<long long>(chunk - rank_chunks) * P;
           float c[P], s[P];

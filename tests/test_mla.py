@@ -18,7 +18,9 @@ from test_fused_mla import DEEPSEEK_V3, FP8, FP8_MAX, assert_fp8_close
 ROPE = 64
 RANK = 512
 MAX_POSITION = 4096
-HEADS = [(128, 64), (512, 64)]
+# (nope, rope): DeepSeek-V3's q head, the absorbed q of MLA decode, and a nope part that does
+# not split into two-access pass-through chunks (mla.cuh: one access an item there).
+HEADS = [(128, 64), (512, 64), (136, 64)]
 POISON = 7.0  # a value no call writes into a cache
 
 
