@@ -51,6 +51,10 @@
 #   GPU_CHECK_SANITIZER=1 GPU_CHECK_SANITIZER_FILES=tests GPU_CHECK_SANITIZER_K="" \
 #   GPU_CHECK_SANITIZER_SHARDS=14 GPU_CHECK_SANITIZER_MAXFAIL=20 GPU_CHECK_SANITIZER_TIMEOUT=480
 #   (at 5dda58c ~3-6.5 minutes a shard: see docs/reliability.md)
+#   GPU_CHECK_WHEELS=DIR          wheels installed (no index, no dependencies) into a scratch
+#                                 directory put first on PYTHONPATH, for peers the machine lacks:
+#                                 the benchmarks' Liger-Kernel rows (pip download --no-deps
+#                                 liger-kernel; torch and triton are on the device images)
 #   CUPYROPE_REQUIRE_INTEROP      default "torch,jax": the suite fails at start if one cannot be
 #                                 imported (set it empty to let those tests skip instead)
 #   PYTHON                        interpreter (default: python)
@@ -125,6 +129,24 @@ EOF
 VERSIONS_PID=$!
 if [[ -z "${GPU_NAME}" ]]; then
     GPU_NAME="$("${PY}" -c 'import cupy; n = cupy.cuda.runtime.getDeviceProperties(0)["name"]; print(n.decode() if isinstance(n, bytes) else n)' 2>/dev/null || echo unknown)"
+fi
+
+# ------------------------------------------------------------------------------------------------
+WHEELS="none"
+if [[ -n "${GPU_CHECK_WHEELS:-}" ]]; then
+    section "wheels from ${GPU_CHECK_WHEELS}"
+    wheel_site="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")"
+    wheel_files=("${GPU_CHECK_WHEELS}"/*.whl)
+    if [[ ! -e "${wheel_files[0]}" ]]; then
+        WHEELS="none found in ${GPU_CHECK_WHEELS}"
+    elif "${PY}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target "${wheel_site}" "${wheel_files[@]}" >"/tmp/pip_wheels.log" 2>&1; then
+        export PYTHONPATH="${wheel_site}${PYTHONPATH:+:${PYTHONPATH}}"
+        WHEELS="$(for f in "${wheel_files[@]}"; do basename "${f}" .whl; done | paste -sd ' ')"
+    else
+        WHEELS="install failed (pip_wheels.log): $(grep -iE 'error' /tmp/pip_wheels.log | tail -n 1)"
+    fi
+    echo "${WHEELS}"
 fi
 
 # ------------------------------------------------------------------------------------------------
@@ -409,6 +431,7 @@ seconds() { if [[ "$1" =~ ^[0-9.]+$ ]]; then echo "$1 s"; else echo "${1:-failed
 echo "------------------------------------------------------------------------------"
 row "GPU" "${GPU_NAME:-unknown}"
 row "install" "${INSTALL}"
+row "wheels (GPU_CHECK_WHEELS)" "${WHEELS}"
 row "kernel cache (this GPU, NVRTC)" "${KERNEL_CACHE}"
 row "tests passed / failed / skipped" "$(count passed) / $(count failed) / $(count skipped)   (errors $(count 'errors?'))"
 row "pytest summary" "${SUMMARY_LINE:-(no summary line; see pytest.log)}"
