@@ -5,8 +5,9 @@
 // layout), each element rounded once to its output format (the input dtype, or fp8 value /
 // scale through store_values of fused.cuh).
 //
-// Work: blockIdx.x strides over tokens; the threads of a block share out the token's items, one
-// access of A elements (16 bytes when VECTOR) each:
+// Work: blockIdx.x strides over tokens; the threads of a block (of gridDim.y blocks, a decode
+// step's share) share out the token's items, one access of A elements (16 bytes when VECTOR;
+// pass-through chunks two where the parts split into them) each:
 //   q items    num_q_heads * (nope chunks + rope chunks), when q outputs are written;
 //   k items    num_k_heads * (k nope chunks + rope chunks), when k outputs are written;
 //   cache      kv_c chunks, when the token's slot is in the cache; the rotated k_pe goes to the
@@ -295,8 +296,12 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
     const int cache_items = slot >= 0 ? rank_chunks + (k_items == 0 ? static_cast<int>(half) / P : 0)
                                       : 0;
     const int total = q_items + k_items + cache_items;
-    for (int item = static_cast<int>(threadIdx.x); item < total;
-         item += static_cast<int>(blockDim.x)) {
+    // blockIdx.y: the block's share of the token's items. A few tokens (a decode step) spread
+    // their items over several blocks, one item a thread, where a block of 128 threads took a
+    // DeepSeek-V3 token's 296 items in three rounds: H200, T = 1 / 32 3.73 / 3.94 -> 2.88 /
+    // 3.16 us (cupyrope/cuda/mla_launch.py: mla_grid).
+    for (int item = static_cast<int>(threadIdx.x + blockIdx.y * blockDim.x); item < total;
+         item += static_cast<int>(blockDim.x * gridDim.y)) {
       if (item < q_items) {
         mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P>(
             p, item, token, position, q_nope_items, q_nope_chunks, rope_chunks, p.q_nope,
@@ -329,14 +334,28 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
   }
 }
 
-// 8 resident blocks of 128 threads (at most 64 registers; no spill on sm_80 / 90 / 100 / 120):
-// each thread keeps one access in flight, so the threads an SM holds are its bytes in flight
-// (4 blocks held 640 threads at the 92-104 registers ptxas took without the tighter cap).
+// Resident blocks of 128 threads. Each thread keeps one item in flight, so the threads an SM
+// holds are its bytes in flight: the kernel is bound by them, not by its instructions. H200,
+// DeepSeek-V3 at T = 65536 (bf16 / fp8 cache), % of a copy: 8 blocks (64 registers) 59.7 / 57.5,
+// 9 (55) 64.7 / 62.5, 10 (42) 68.5 / 65.7, 12 (40) 74.9 / 71.6; 14 and more (32 registers)
+// spill. 12 on sm_90 for GPT-J pairs, the DeepSeek pairing (no spill; the float32 GPT-J kernel
+// with computed angles spilled 12 bytes there, and NeoX chunks, twice the pairs, 22-68); 8
+// elsewhere: sm_80 / 100 / 120 spilled from 9, and 8 is what those GPUs were built and tested
+// with (4 blocks held 640 threads at the 92-104 registers ptxas took without a cap).
 // cupyrope/frontends/jax/mla.py's native entry takes the same bound from here.
-constexpr int kMlaMinBlocksPerSM = 8;
+template <typename T, bool INTERLEAVED, int SOURCE>
+struct MlaMinBlocksPerSM {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+  static constexpr int value =
+      INTERLEAVED && !(sizeof(T) == 4 && SOURCE == kComputedAngles) ? 12 : 8;
+#else
+  static constexpr int value = 8;
+#endif
+};
 
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE>
-__global__ __launch_bounds__(128, kMlaMinBlocksPerSM) void mla_rope_kernel(const MlaParams p) {
+__global__ __launch_bounds__(128, (MlaMinBlocksPerSM<T, INTERLEAVED, SOURCE>::value)) void
+mla_rope_kernel(const MlaParams p) {
   mla_rope_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE>(p);
 }
 

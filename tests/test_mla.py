@@ -367,6 +367,52 @@ def test_launch_parameters_describe_the_plan(rng, randn, deepseek_cache):
     assert not launch(q[..., :nope], q[..., nope:], interleaved=False)[0].interleaved
 
 
+def test_launch_grid_splits_a_decode_steps_items(rng, randn, deepseek_cache):
+    """The host's count of a token's items mirrors kernels_cu/mla.cuh, and the grid gives each
+    token a block, or (a few tokens) a token's items several blocks of one item a thread."""
+    from cupyrope.core.arrays import describe
+    from cupyrope.core.mla import plan_mla
+    from cupyrope.cuda.mla_launch import MAX_BLOCKS, mla_grid, mla_token_items, plan_mla_launch
+
+    H, nope = 16, 128
+
+    def launch(T, interleaved=True, with_cache=True, heads=H):
+        q = randn((T, heads, nope + ROPE), "bfloat16")
+        k_pe, kv_c = randn((T, 1, ROPE), "bfloat16"), randn((T, RANK), "bfloat16")
+        extra = {}
+        if with_cache:
+            extra = dict(kv_c=kv_c, kv_cache=_poisoned_cache("bfloat16", -(-T // 4), 4,
+                                                             "float8_e4m3fn"),
+                         slot_mapping=np.arange(T, dtype=np.int32), kv_scale=0.5)
+        plan = plan_mla("mla_rope_and_cache" if with_cache else "mla_rope_quantize",
+                        q[..., :nope], q[..., nope:], None, k_pe, np.arange(T),
+                        rope=dict(cos_sin_cache=deepseek_cache, interleaved=interleaved), **extra)
+        outs = [describe(np.empty(x.shape, np_dtype("bfloat16")), "out")
+                for x in (q[..., :nope], q[..., nope:])]
+        return plan_mla_launch(plan, [*outs, None, describe(np.empty_like(k_pe), "out")])
+
+    # DeepSeek-V3 at TP 8, GPT-J pairs: q 16 x (8 nope chunks of 32 bytes + 8 rope chunks of 4
+    # pairs), k_pe 8 rope chunks, kv_c 512 / 16 = 32 chunks of 32 bytes: three blocks a token.
+    spec, p = launch(5)
+    assert mla_token_items(spec, p) == 16 * (8 + 8) + 8 + 32 == 296
+    assert mla_grid(spec, p, 132) == (5, 3)
+    for tokens, grid in ((44, (44, 3)), (45, (45, 1)), (65536, (65536, 1)),
+                         (10**6, (MAX_BLOCKS, 1)), (0, (0, 3))):  # no token: no launch
+        p["num_tokens"] = tokens
+        assert mla_grid(spec, p, 132) == grid, tokens
+    # NeoX: bf16 chunks of 8 elements, rope chunks of 8 pairs (4 a head), one access a copy.
+    spec, p = launch(5, interleaved=False)
+    assert mla_token_items(spec, p) == 16 * (16 + 4) + 4 + 64
+    assert mla_grid(spec, p, 132) == (5, 4)
+    # Without the cache write: q and k only.
+    spec, p = launch(5, with_cache=False)
+    assert mla_token_items(spec, p) == 16 * (8 + 8) + 8
+    # DeepSeek-V3 on one GPU: 128 heads, 2088 items; one token on 132 SMs takes 17 blocks.
+    spec, p = launch(1, heads=128)
+    assert mla_token_items(spec, p) == 128 * 16 + 8 + 32 == 2088
+    assert mla_grid(spec, p, 132) == (1, 17)
+
+
 def test_launch_refuses_tokens_past_32_bit_items(deepseek_cache):
     """The kernel counts a token's items in 32 bits: a token of more elements is refused before
     launch (2^24 heads of broadcast memory: nothing allocated)."""
@@ -441,12 +487,37 @@ def _to_host(x, fmt=None) -> np.ndarray:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_gpu_one_launch_matches_the_reference(rng, randn, deepseek_cache, framework, head,
                                               interleaved, fmt, cache_fmt, source, joint, dtype):
+    _check_one_launch(rng, randn, deepseek_cache, framework, head, interleaved, fmt, cache_fmt,
+                      source, joint, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("cache_fmt", [None, "float8_e4m3fn"])
+@pytest.mark.parametrize("source", ["table", "computed"])
+@pytest.mark.parametrize("split", [True, False])
+def test_gpu_blocks_of_a_token_match_the_reference(monkeypatch, rng, randn, deepseek_cache,
+                                                  framework, interleaved, cache_fmt, source,
+                                                  split):
+    """301 tokens (skipped slots among them), each a block, or each token's items over several
+    blocks (the decode steps' grid, forced by a GPU of many SMs as the launch sees it)."""
+    from cupyrope.cuda import mla_launch
+
+    monkeypatch.setattr(mla_launch, "_multiprocessors", lambda device: 10**6 if split else 1)
+    _check_one_launch(rng, randn, deepseek_cache, framework, (128, 64), interleaved,
+                      "float8_e4m3fn", cache_fmt, source, True, "bfloat16", tokens=301)
+
+
+def _check_one_launch(rng, randn, deepseek_cache, framework, head, interleaved, fmt, cache_fmt,
+                      source, joint, dtype, tokens=37):
     if framework == "torch":
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():
             pytest.skip("torch has no CUDA here")
     nope, _ = head
-    T, H, blocks, block_size = 37, 16, 16, 4
+    T, H, block_size = tokens, 16, 4
+    blocks = max(16, -(-T * 5 // 4) // block_size)
     q = randn((T, H, nope + ROPE), dtype)
     k_pe, kv_c = randn((T, ROPE), dtype), randn((T, RANK), dtype)
     positions = rng.integers(0, MAX_POSITION, T)

@@ -19,7 +19,8 @@ from ..core.fused_plan import STORE_FORMATS
 from ..core.mla import MlaPlan, mla_on_host
 from ..core.mrope import MROPE_NONE
 from .compiler import MlaSpec, get_kernel, is_compiled
-from .launch import FP8_MIN_COMPUTE_CAPABILITY, _compute_capability, device_constants
+from .launch import (FP8_MIN_COMPUTE_CAPABILITY, _compute_capability, _multiprocessors,
+                     device_constants)
 
 _POINTERS = ("q_nope", "q_pe", "k_nope", "k_pe", "kv_c", "q_nope_out", "q_pe_out", "k_nope_out",
              "k_pe_out", "kv_cache", "kpe_cache", "positions", "slot_mapping", "table",
@@ -42,6 +43,38 @@ MLA_PARAMS_DTYPE = np.dtype(
 THREADS = 128  # the kernel's __launch_bounds__
 MAX_BLOCKS = 65535 * 4  # tokens beyond are strided over
 TOKEN_ELEMENTS_MAX = 2**31 - 1  # a token's items are counted in 32 bits
+
+
+def mla_token_items(spec: MlaSpec, p: np.ndarray) -> int:
+    """The items of one token (kernels_cu/mla.cuh, mla_rope_tokens) of a launch's ``MlaParams``:
+    pass-through chunks of one access or (GPT-J pairs, parts that split into them) two, rope
+    chunks of P pairs, the cache row's kv_c chunks and, without k outputs, its k_pe chunks."""
+    access = 16 // ITEMSIZE[spec.dtype] if spec.vector else 1
+    pairs = (access // 2 if spec.interleaved else access) if spec.vector else 1
+    wide = spec.vector and spec.interleaved and all(
+        int(p[name]) % (2 * access) == 0 for name in ("nope_dim", "k_nope_dim", "rank"))
+    width = 2 * access if wide else access
+    rope_chunks = int(p["rope_dim"]) // 2 // pairs
+    q_nope = int(p["nope_dim"]) // width if int(p["q_nope_out"]) else 0
+    k_nope = int(p["k_nope_dim"]) // width if int(p["k_nope_out"]) else 0
+    q_items = int(p["num_q_heads"]) * (q_nope + rope_chunks) if int(p["q_pe_out"]) else 0
+    k_items = int(p["num_k_heads"]) * (k_nope + rope_chunks) if int(p["k_pe_out"]) else 0
+    cache_items = 0
+    if int(p["slot_mapping"]):
+        cache_items = int(p["rank"]) // width + (rope_chunks if k_items == 0 else 0)
+    return q_items + k_items + cache_items
+
+
+def mla_grid(spec: MlaSpec, p: np.ndarray, multiprocessors: int) -> tuple[int, int]:
+    """(gridDim.x, gridDim.y) of a launch: a block a token (strided past MAX_BLOCKS), and a few
+    tokens' items split over blocks of one item a thread where the split still leaves at most
+    one block an SM (a decode step: DeepSeek-V3's 296 items a token in three blocks, up to 44
+    tokens on 132 SMs)."""
+    tokens = int(p["num_tokens"])
+    shares = max(1, -(-mla_token_items(spec, p) // THREADS))
+    if tokens * shares > multiprocessors:
+        shares = 1
+    return min(tokens, MAX_BLOCKS), shares
 
 
 def _store_format(dtype: str | None) -> int:
@@ -104,7 +137,7 @@ def mla_on_gpu(plan: MlaPlan, outputs: list[ArrayInfo | None]) -> None:
     kernel = get_kernel(spec, device)
     if rope.q.shape[0] == 0:
         return
-    grid = (min(rope.q.shape[0], MAX_BLOCKS), 1, 1)
+    grid = (*mla_grid(spec, p, _multiprocessors(device)), 1)
     words = (ctypes.c_uint64 * (MLA_PARAMS_DTYPE.itemsize // 8)).from_buffer_copy(p.tobytes())
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(words))
     cupy = cupy_module()

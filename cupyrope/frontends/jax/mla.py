@@ -21,7 +21,7 @@ from jax.interpreters import mlir
 
 from ...core.abi import AngleSource
 from ...core.arrays import describe_traced
-from ...core.dtypes import ITEMSIZE, numpy_dtype
+from ...core.dtypes import CUDA_TYPE_NAMES, ITEMSIZE, numpy_dtype
 from ...core.mla import MlaPlan, plan_mla
 from ...core.mrope import MROPE_NONE
 from .lowering import _rotated, _stored, cos_sin_per_token
@@ -395,17 +395,18 @@ class NativeMla(NamedTuple):
 
     spec: object
     params: np.ndarray
-    grid: int
+    grid: tuple[int, int]
     buffers: tuple[tuple[tuple[str, int], ...], ...]
     inv_freq: np.ndarray | None
 
 
-def plan_native_mla(call: MlaCall, avals_in, avals_out, device: int) -> NativeMla:
-    """The kernel call of ``call`` on XLA's buffers (C order) on ``device``: the plan from the
-    shapes, ``mla_launch.plan_mla_launch`` on planning addresses, then which struct fields each
-    buffer sets. Needs no GPU."""
+def plan_native_mla(call: MlaCall, avals_in, avals_out, device: int, *,
+                    multiprocessors: int) -> NativeMla:
+    """The kernel call of ``call`` on XLA's buffers (C order) on ``device`` of
+    ``multiprocessors`` SMs: the plan from the shapes, ``mla_launch.plan_mla_launch`` on planning
+    addresses, then which struct fields each buffer sets. Needs no GPU."""
     from . import native
-    from ...cuda.mla_launch import MAX_BLOCKS, plan_mla_launch
+    from ...cuda.mla_launch import mla_grid, plan_mla_launch
 
     infos = native.planning_infos(avals_in, call.names, device)
     for name in _CACHES:
@@ -455,7 +456,7 @@ def plan_native_mla(call: MlaCall, avals_in, avals_out, device: int) -> NativeMl
     buffers = [fields(name) for name in call.names]
     buffers += [fields("inv_freq")] if inv_freq is not None else []
     buffers += [() if name in _CACHES else fields(name) for name in results]
-    grid = min(mla.rope.q.shape[0], MAX_BLOCKS)
+    grid = mla_grid(spec, params, multiprocessors)
     return NativeMla(spec, params, grid, tuple(buffers), inv_freq)
 
 
@@ -479,13 +480,16 @@ def mla_entry_source(native_mla: NativeMla, name: str) -> str:
             lines.append(f"mla.w[{word}] = buffer{i} + {offset}ull;")
     expression = native_mla.spec.name_expression
     body = expression.replace("mla_rope_kernel", "mla_rope_tokens", 1)
+    spec = native_mla.spec
+    bound = (f"cupyrope::MlaMinBlocksPerSM<{CUDA_TYPE_NAMES[spec.dtype]}, "
+             f"{str(spec.interleaved).lower()}, {int(spec.source)}>::value")
     lines.append(f"{body}(mla.p);")
     separator = ",\n    "
     statements = "\n  ".join(lines)
     return f"""#include "rope.cu"
 
 // XLA's entry (cupyrope/frontends/jax/mla.py): XLA's buffers, then the MlaParams words.
-extern "C" __global__ void __launch_bounds__({THREADS}, cupyrope::kMlaMinBlocksPerSM) {name}(
+extern "C" __global__ void __launch_bounds__({THREADS}, ({bound})) {name}(
     {separator.join(arguments)}) {{
   {statements}
 }}
@@ -522,12 +526,13 @@ def _lower_native(ctx, operands, call: MlaCall):
     from . import native
     from ...core.arrays import cupy_module
     from ...cuda import compiler
-    from ...cuda.launch import FP8_MIN_COMPUTE_CAPABILITY, _compute_capability
+    from ...cuda.launch import FP8_MIN_COMPUTE_CAPABILITY, _compute_capability, _multiprocessors
 
     device = compiler.current_device()
-    planned = plan_native_mla(call, ctx.avals_in, ctx.avals_out, device)
+    planned = plan_native_mla(call, ctx.avals_in, ctx.avals_out, device,
+                              multiprocessors=_multiprocessors(device))
     results = call.results()
-    if planned.grid == 0:  # no token: empty outputs, the input caches, no launch
+    if planned.grid[0] == 0:  # no token: empty outputs, the input caches, no launch
         outs = [mlir.full_like_aval(ctx, 0, aval) for aval in ctx.avals_out]
         for name in _CACHES:
             if name in results:
@@ -553,5 +558,5 @@ def _lower_native(ctx, operands, call: MlaCall):
     aliases = {call.names.index(name): results.index(name) for name in _CACHES
                if name in results}
     return native.kernel_call(ctx, nodes, name,
-                              gpu_triton.TritonKernelCall(kernel, planned.grid, 1, 1, parameters),
+                              gpu_triton.TritonKernelCall(kernel, *planned.grid, 1, parameters),
                               aliases)
