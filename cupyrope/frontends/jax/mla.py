@@ -357,7 +357,15 @@ def _warn_jnp_route(reason: str) -> None:
 
 
 def _per_element(args, dims, *, call: MlaCall):
-    """jax.vmap: one call per element (``jax.lax.map``)."""
+    """jax.vmap: one call per element (``jax.lax.map``); a call that writes a cache is
+    :func:`mla_jnp` vmapped instead (XLA's batched scatter into the batched caches). As a native
+    call inside jax.lax.map, XLA (jaxlib 0.11.2, H200) did not keep the new cache aliased to the
+    input cache: the kernel wrote through the input slice, and the batched caches came out as
+    the loop's zero-filled results (the fused cache write met the same and takes the
+    buffer_callback there, :mod:`cupyrope.frontends.jax.primitives`)."""
+    if any(name in _CACHES for name in call.names):
+        outs = jax.vmap(functools.partial(mla_jnp, call=call), in_axes=tuple(dims))(*args)
+        return list(outs), [0] * len(outs)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     leading = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
                for a, d in zip(args, dims)]
