@@ -336,12 +336,18 @@ void rope_fused_decode_kernel(const DecodeParams p, const FusedDecodeParams f) {
 }
 
 // Re-rotation of cached keys in place (rerotate.cuh): FORMAT is the cache's StoreFormat, T its
-// element type (unsigned char for fp8). 3 resident blocks (80 registers), 2 (128) for the 16-byte
-// fp8 chunks of NeoX heads (16 pairs a thread: their cos/sin and values live at once).
-// tests/test_kernel_compile.py checks that nothing spills.
+// element type (unsigned char for fp8). 3 resident blocks (80 registers); the 16-byte fp8 chunks
+// of NeoX heads (16 pairs a thread: their cos/sin and values live at once) took 96 registers
+// at 2 (128), 512 threads an SM, and fit 80 without a spill where the GPU converts fp8 itself
+// (compute capability 8.9+); on sm_80 the software conversion spilled 64-72 bytes at 80, so
+// there they keep 2. tests/test_kernel_compile.py checks that nothing spills.
 template <typename T, bool VECTOR, bool INTERLEAVED>
 struct RerotateMinBlocksPerSM {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
   static constexpr int value = VECTOR && sizeof(T) == 1 && !INTERLEAVED ? 2 : 3;
+#else
+  static constexpr int value = 3;
+#endif
 };
 
 template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, int FORMAT>
