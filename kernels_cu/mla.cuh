@@ -207,8 +207,9 @@ __device__ __forceinline__ void mla_part_item(
     const long long (&nope_strides)[2], void* nope_out, const long long (&nope_out_strides)[2],
     const void* pe, const long long (&pe_strides)[2], void* pe_out,
     const long long (&pe_out_strides)[2], long long format, float inv_scale,
-    const MlaTarget& cache, bool table_vector, int copy_width, bool wide) {
+    const MlaTarget& cache, bool table_vector, bool wide) {
   if (item < nope_items) {
+    const int copy_width = wide ? 2 * A : A;  // a pass-through chunk's elements
     const int head = nope_chunks.of(item);
     const int chunk = item - head * nope_chunks.n;
     const T* in = static_cast<const T*>(nope) + token * nope_strides[0] + head * nope_strides[1];
@@ -307,13 +308,13 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
             p, item, token, position, q_nope_items, q_nope_chunks, rope_chunks, p.q_nope,
             p.q_nope_strides, p.q_nope_out, p.q_nope_out_strides, p.q_pe, p.q_pe_strides,
             p.q_pe_out, p.q_pe_out_strides, p.out_format, q_inv, no_cache, table_vector,
-            copy_width, wide);
+            wide);
       } else if (item < q_items + k_items) {
         mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P>(
             p, item - q_items, token, position, k_nope_items, k_nope_chunks, rope_chunks,
             p.k_nope, p.k_nope_strides, p.k_nope_out, p.k_nope_out_strides, p.k_pe,
             p.k_pe_strides, p.k_pe_out, p.k_pe_out_strides, p.out_format, k_inv, cache_pe,
-            table_vector, copy_width, wide);
+            table_vector, wide);
       } else {
         const int chunk = item - q_items - k_items;
         if (chunk < rank_chunks) {
