@@ -332,3 +332,24 @@ def test_fp64_arithmetic_only_in_float64_angles(compiled):
         assert checked, f"{compiled.arch}: no computed-angle kernel in this program"
     else:  # their float-float builds hold them (test_every_specialisation_is_built_...)
         assert not checked, f"{compiled.arch}: float64 angles in a float-float architecture"
+
+
+def test_kernel_registers_script_reports_the_selected_specialisations(capsys):
+    """scripts/kernel_registers.py prints ptxas' registers / stack / spills of each selected
+    specialisation (exit 0: none spills), and exit 2 when its filters select nothing."""
+    import importlib.util
+
+    _nvrtc_or_skip()
+    path = Path(__file__).resolve().parents[1] / "scripts" / "kernel_registers.py"
+    spec = importlib.util.spec_from_file_location("kernel_registers", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    wanted = "mla_rope_kernel<float, float, true, true, 0>"
+    assert script.main(["--arch", "sm_90", "--filter", wanted]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].endswith(wanted), lines
+    registers, stack, spill = re.match(r"\s*(\d+) registers  stack\s+(\d+)  spill\s+(\d+)  ",
+                                       lines[0]).groups()
+    assert 0 < int(registers) <= 40 and int(spill) == 0, lines  # 12 resident blocks on sm_90
+    assert script.main(["--filter", "no kernel is called this"]) == 2
+    assert "no specialisation" in capsys.readouterr().out
