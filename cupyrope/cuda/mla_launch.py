@@ -11,7 +11,7 @@ import ctypes
 
 import numpy as np
 
-from ..core.abi import AngleSource
+from ..core.abi import AngleSource, access_layout
 from ..core.arrays import (ArrayInfo, cupy_module, current_stream, describe, host_view,
                            mark_written, new_output, stream_is_capturing)
 from ..core.dtypes import FP8_DTYPES, ITEMSIZE
@@ -49,8 +49,7 @@ def mla_token_items(spec: MlaSpec, p: np.ndarray) -> int:
     """The items of one token (kernels_cu/mla.cuh, mla_rope_tokens) of a launch's ``MlaParams``:
     pass-through chunks of one access or (GPT-J pairs, parts that split into them) two, rope
     chunks of P pairs, the cache row's kv_c chunks and, without k outputs, its k_pe chunks."""
-    access = 16 // ITEMSIZE[spec.dtype] if spec.vector else 1
-    pairs = (access // 2 if spec.interleaved else access) if spec.vector else 1
+    access, pairs = access_layout(ITEMSIZE[spec.dtype], spec.vector, spec.interleaved)
     wide = spec.vector and spec.interleaved and all(
         int(p[name]) % (2 * access) == 0 for name in ("nope_dim", "k_nope_dim", "rank"))
     width = 2 * access if wide else access
@@ -71,10 +70,12 @@ def mla_grid(spec: MlaSpec, p: np.ndarray, multiprocessors: int) -> tuple[int, i
     one block an SM (a decode step: DeepSeek-V3's 296 items a token in three blocks, up to 44
     tokens on 132 SMs)."""
     tokens = int(p["num_tokens"])
+    if tokens > multiprocessors:  # no split leaves one block an SM: not worth counting items
+        return min(tokens, MAX_BLOCKS), 1
     shares = max(1, -(-mla_token_items(spec, p) // THREADS))
     if tokens * shares > multiprocessors:
         shares = 1
-    return min(tokens, MAX_BLOCKS), shares
+    return tokens, shares
 
 
 def _store_format(dtype: str | None) -> int:
