@@ -665,6 +665,32 @@ def test_launch_plan_without_a_gpu(rng):
         spec.fusion_params["head_stride"]) == 16 * 80
 
 
+def test_fp8_neox_launch_takes_eight_heads_a_thread_from_16384_slots():
+    """The fp8 NeoX re-rotation's own throughput curve (launch.RERO_FP8_NEOX_THROUGHPUT_BY_WORK):
+    eight heads of 128 a thread (a block of 64 slots) from 16384 slots, where the common curve
+    took two (blocks of 16); at 4096 slots both take two. bf16 and GPT-J fp8 caches keep the
+    common curve."""
+    from cupyrope.core.rerotate import plan_rerotate
+    from cupyrope.cuda import launch
+
+    def geometry(dtype, slots, interleaved=False):
+        cache = np.zeros((slots // 16, 16, 8, 128), dtype)
+        plan = plan_rerotate(cache, np.arange(slots, dtype=np.int32), 3, interleaved=interleaved,
+                             k_scale=0.5 if dtype != np.float16 else None)
+        spec = launch.plan_rerotate_launch(plan, inv_freq_ptr=4096, num_regs=lambda s: 80,
+                                           multiprocessors=132)
+        assert spec.kernel.vector
+        return spec.block, spec.grid
+
+    fp8 = ml_dtypes.float8_e4m3fn
+    assert geometry(fp8, 4096) == ((4, 4, 16), (256, 1))  # two heads a thread
+    assert geometry(fp8, 16384) == ((4, 1, 64), (256, 1))  # eight: one head lane
+    assert geometry(fp8, 65536) == ((4, 1, 64), (1024, 1))
+    for dtype, interleaved in ((np.float16, False), (fp8, True)):
+        block, _ = geometry(dtype, 16384, interleaved)
+        assert block[1] > 1, (dtype, interleaved)  # more than one head lane: fewer heads a thread
+
+
 @pytest.mark.nvrtc
 def test_params_struct_matches_the_cuda_source():
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")

@@ -507,9 +507,19 @@ HEADS_PER_THREAD = (16, 8, 4, 2, 1)
 _THROUGHPUT_BY_WORK = ((1, 0.75), (2, 0.93), (4, 1.0), (8, 0.96), (16, 0.85), (32, 0.75))
 
 
-def _throughput(work: float) -> float:
-    """Piecewise-linear in log2(work) through _THROUGHPUT_BY_WORK, flat beyond its ends."""
-    points = _THROUGHPUT_BY_WORK
+# The same curve for the re-rotation of an fp8 NeoX cache (16 pairs a 16-byte access, each
+# converted from and back to e4m3): a thread's heads of one slot share its angles and scale, and
+# eight heads a thread measured fastest from 16384 slots (H200, 8 heads of 128, % of a copy,
+# table / computed, heads a thread 2 / 4 / 8: 16384 slots 60.8 / 64.5 / 68.3 and 49.4 / 54.4 /
+# 63.7; 65536 slots 63.0 / 74.0 / 73.1 and 50.7 / 65.5 / 69.0; 4096 slots 64.6 / 56.5 / 41.0
+# and 54.4 / 49.0 / 37.2, where the last wave's fill decides). measured: docs/perf_log.md
+RERO_FP8_NEOX_THROUGHPUT_BY_WORK = ((1, 0.6), (2, 0.75), (4, 0.9), (8, 1.0), (16, 0.9),
+                                    (32, 0.75))
+
+
+def _throughput(work: float, points=_THROUGHPUT_BY_WORK) -> float:
+    """Piecewise-linear in log2(work) through ``points`` (_THROUGHPUT_BY_WORK), flat beyond its
+    ends."""
     if work <= points[0][0]:
         return points[0][1]
     for (w0, t0), (w1, t1) in zip(points, points[1:]):
@@ -567,7 +577,7 @@ def _resident_blocks(threads: int, num_regs: int) -> int:
 def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, num_regs: int,
                     multiprocessors: int | None = None, *, extra_heads: int = 0,
                     power_of_two_lanes: bool = False, plain: bool = False,
-                    pass_lanes: int = 0):
+                    pass_lanes: int = 0, throughput_by_work=_THROUGHPUT_BY_WORK):
     """(block, grid) for a plan.
 
     x: lanes over the chunks of pairs of a head (out of place, the same lanes then copy the
@@ -586,6 +596,9 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     ``pass_lanes``: the lean fused kernel's lanes of the dims past rotary_dim, after the
     rotated chunks' (:func:`lean_pass_lanes`); the other kernels spread those dims over the
     rotated chunks' lanes.
+
+    ``throughput_by_work``: the curve of the kernel's throughput against a thread's work
+    (_THROUGHPUT_BY_WORK; the fp8 NeoX re-rotation has its own).
     """
     chunks = (plan.rotary_dim // 2) // pairs
     pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
@@ -607,7 +620,7 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
         multiprocessors = _multiprocessors(plan.device)
     best = None
     for heads_per_thread in candidates:
-        throughput = _throughput(heads_per_thread * accesses_per_head / 2)
+        throughput = _throughput(heads_per_thread * accesses_per_head / 2, throughput_by_work)
         head_lanes = -(-num_heads // heads_per_thread)
         grid_y = -(-head_lanes // max(1, THREADS_PER_BLOCK // lanes))
         block_y = -(-head_lanes // grid_y)  # 40 head lanes over 2 blocks: 20 + 20, not 32 + 8
@@ -1143,7 +1156,11 @@ def plan_rerotate_launch(plan: RerotatePlan, *, inv_freq_ptr: int = 0,
         r["scale"] = plan.scale.array.ptr
 
     spec = RerotateSpec(plan.cache_dtype, table_dtype, vector, rope.interleaved, rope.source)
-    block, grid = launch_geometry(rope, access, pairs, False, num_regs(spec), multiprocessors)
+    curve = (RERO_FP8_NEOX_THROUGHPUT_BY_WORK
+             if vector and ITEMSIZE[plan.cache_dtype] == 1 and not rope.interleaved
+             else _THROUGHPUT_BY_WORK)
+    block, grid = launch_geometry(rope, access, pairs, False, num_regs(spec), multiprocessors,
+                                  throughput_by_work=curve)
     return LaunchSpec(spec, p, grid, block, 0, (0, 0, 0, 0, 0, cos_ptr, sin_ptr), sin_offset,
                       vector, fusion_params=r)
 
