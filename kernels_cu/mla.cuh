@@ -5,8 +5,8 @@
 // layout), each element rounded once to its output format (the input dtype, or fp8 value /
 // scale through store_values of fused.cuh).
 //
-// Work: blockIdx.x strides over tokens; the threads of a block (of gridDim.y blocks, a decode
-// step's share) share out the token's items, one access of A elements (16 bytes when VECTOR;
+// Work: blockIdx.x strides over tokens; the threads of a block (64-128: mla_launch.mla_geometry;
+// of gridDim.y blocks, a decode step's share) share out the token's items in rounds, one access of A elements (16 bytes when VECTOR;
 // pass-through chunks two where the parts split into them) each:
 //   q items    num_q_heads * (nope chunks + rope chunks), when q outputs are written;
 //   k items    num_k_heads * (k nope chunks + rope chunks), when k outputs are written;
@@ -265,42 +265,31 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
       reinterpret_cast<unsigned long long>(p.table) % table_bytes == 0 &&
       (p.table_row_stride * static_cast<long long>(sizeof(TableT))) % table_bytes == 0 &&
       (half * static_cast<long long>(sizeof(TableT))) % table_bytes == 0;
+  // The cache row's items, when the launch writes the cache (kv_cache may be empty: rank 0):
+  // kv_c chunks, then, without k outputs, chunks of the rotated k_pe (with them the k items store
+  // it there too: k_pe's one head). A token whose slot is padding skips them in the loop, so
+  // that the count, and with it the first items' loads, never waits for the token's slot.
+  const int rank_chunks = static_cast<int>(p.rank) / copy_width;
+  const int cache_items = p.slot_mapping != nullptr
+      ? rank_chunks + (k_items == 0 ? static_cast<int>(half) / P : 0) : 0;
+  const int total = q_items + k_items + cache_items;
+  const bool joint = p.kpe_cache == nullptr;
+  const MlaTarget no_cache{nullptr, 0, 0, 0.0f};
   for (long long token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
+    // Both read here and waited for only by the items that use them: the rope chunks (position)
+    // and the k and cache items (slot), the last of a token's items.
     const long long position = p.positions != nullptr
         ? mla_index(p.positions, token * p.positions_stride, p.positions_int64 != 0)
         : token;
     long long slot = -1;
-    if (p.slot_mapping != nullptr) {  // the cache is written (kv_cache may be empty: rank 0)
+    if (p.slot_mapping != nullptr) {
       slot = mla_index(p.slot_mapping, token * p.slot_stride, p.slots_int64 != 0);
       if (slot >= p.num_slots) slot = -1;  // past the cache: skipped, as padding
     }
-    // The cache row: kv_c chunks, then the rotated k_pe, which the k items store there too
-    // when they run (k_pe's one head), else cache items of their own. k_pe's row is in a cache
-    // of its own (FlashInfer's kpe_cache) or is the joint row's last rope_dim entries (the host
-    // then gives the joint row's strides as kpe strides): one code path for both layouts.
-    long long row = 0, pe_row = 0;
-    if (slot >= 0) {
-      // 32-bit division where the cache's slots fit (every cache in practice).
-      const long long block = p.num_slots <= 0x7fffffffLL
-          ? static_cast<long long>(static_cast<unsigned>(slot) /
-                                   static_cast<unsigned>(p.block_size))
-          : slot / p.block_size;
-      const long long entry = slot - block * p.block_size;
-      row = block * p.cache_block_stride + entry * p.cache_row_stride;
-      pe_row = block * p.kpe_block_stride + entry * p.kpe_row_stride;
-    }
-    const bool joint = p.kpe_cache == nullptr;
-    const MlaTarget no_cache{nullptr, 0, 0, 0.0f};
-    const MlaTarget cache_pe{slot >= 0 ? (joint ? p.kv_cache : p.kpe_cache) : nullptr,
-                             pe_row + (joint ? p.rank : 0), p.cache_format, kv_inv};
-    const int rank_chunks = static_cast<int>(p.rank) / copy_width;
-    const int cache_items = slot >= 0 ? rank_chunks + (k_items == 0 ? static_cast<int>(half) / P : 0)
-                                      : 0;
-    const int total = q_items + k_items + cache_items;
     // blockIdx.y: the block's share of the token's items. A few tokens (a decode step) spread
     // their items over several blocks, one item a thread, where a block of 128 threads took a
-    // DeepSeek-V3 token's 296 items in three rounds: H200, T = 1 / 32 3.73 / 3.94 -> 2.88 /
-    // 3.16 us (cupyrope/cuda/mla_launch.py: mla_grid).
+    // DeepSeek-V3 token's 296 items in three rounds, one after another: H200, T = 1 / 32 3.73 /
+    // 3.94 -> 2.88 / 3.16 us (cupyrope/cuda/mla_launch.py: mla_grid).
     for (int item = static_cast<int>(threadIdx.x + blockIdx.y * blockDim.x); item < total;
          item += static_cast<int>(blockDim.x * gridDim.y)) {
       if (item < q_items) {
@@ -309,7 +298,26 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
             p.q_nope_strides, p.q_nope_out, p.q_nope_out_strides, p.q_pe, p.q_pe_strides,
             p.q_pe_out, p.q_pe_out_strides, p.out_format, q_inv, no_cache, table_vector,
             wide);
-      } else if (item < q_items + k_items) {
+        continue;
+      }
+      if (item >= q_items + k_items && slot < 0) continue;  // no cache row for padding
+      // The cache row of the token's slot: k_pe's row is in a cache of its own (FlashInfer's
+      // kpe_cache) or is the joint row's last rope_dim entries (the host then gives the joint
+      // row's strides as kpe strides): one code path for both layouts.
+      long long row = 0, pe_row = 0;
+      if (slot >= 0) {
+        // 32-bit division where the cache's slots fit (every cache in practice).
+        const long long block = p.num_slots <= 0x7fffffffLL
+            ? static_cast<long long>(static_cast<unsigned>(slot) /
+                                     static_cast<unsigned>(p.block_size))
+            : slot / p.block_size;
+        const long long entry = slot - block * p.block_size;
+        row = block * p.cache_block_stride + entry * p.cache_row_stride;
+        pe_row = block * p.kpe_block_stride + entry * p.kpe_row_stride;
+      }
+      const MlaTarget cache_pe{slot >= 0 ? (joint ? p.kv_cache : p.kpe_cache) : nullptr,
+                               pe_row + (joint ? p.rank : 0), p.cache_format, kv_inv};
+      if (item < q_items + k_items) {
         mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P>(
             p, item - q_items, token, position, k_nope_items, k_nope_chunks, rope_chunks,
             p.k_nope, p.k_nope_strides, p.k_nope_out, p.k_nope_out_strides, p.k_pe,
@@ -335,20 +343,22 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
   }
 }
 
-// Resident blocks of 128 threads. Each thread keeps one item in flight, so the threads an SM
+// Resident blocks of 128 threads (the launch bound; launches of many tokens take blocks of 96 or
+// 64 under the same register cap, 17 or 25 an SM). Each thread keeps one item in flight, so the threads an SM
 // holds are its bytes in flight: the kernel is bound by them, not by its instructions. H200,
 // DeepSeek-V3 at T = 65536 (bf16 / fp8 cache), % of a copy: 8 blocks (64 registers) 59.7 / 57.5,
 // 9 (55) 64.7 / 62.5, 10 (42) 68.5 / 65.7, 12 (40) 74.9 / 71.6; 14 and more (32 registers)
-// spill. 12 on sm_90 for GPT-J pairs, the DeepSeek pairing (no spill; the float32 GPT-J kernel
-// with computed angles spilled 12 bytes there, and NeoX chunks, twice the pairs, 22-68); 8
+// spill. 12 on sm_90 for 16-bit GPT-J pairs, the DeepSeek pairing (no spill); 10 for float32
+// GPT-J pairs (at 12 the kernel with computed angles spilled 12 bytes, and since the slot's
+// wait moved into the loop the table's 102; at 10 both fit 46-48 registers, speed not
+// measured); 8 for NeoX chunks (twice the pairs: 22-72 bytes spilled at 10 and 12) and
 // elsewhere: sm_80 / 100 / 120 spilled from 9, and 8 is what those GPUs were built and tested
 // with (4 blocks held 640 threads at the 92-104 registers ptxas took without a cap).
 // cupyrope/frontends/jax/mla.py's native entry takes the same bound from here.
 template <typename T, bool INTERLEAVED, int SOURCE>
 struct MlaMinBlocksPerSM {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-  static constexpr int value =
-      INTERLEAVED && !(sizeof(T) == 4 && SOURCE == kComputedAngles) ? 12 : 8;
+  static constexpr int value = !INTERLEAVED ? 8 : sizeof(T) == 4 ? 10 : 12;
 #else
   static constexpr int value = 8;
 #endif

@@ -390,7 +390,8 @@ def test_native_entry_plans_and_compiles(case, arch):
                                                     None), names, spec["out_dtype"],
                            spec["cache_dtype"], ())
     outs = jax_mla._abstract_eval(*avals, call=call)
-    planned = jax_mla.plan_native_mla(call, avals, outs, 0, multiprocessors=132)
+    planned = jax_mla.plan_native_mla(call, avals, outs, 0, multiprocessors=132,
+                                      num_regs=lambda spec: 40)
     assert planned.spec.vector == spec["vector"], planned.spec
     assert len(planned.buffers) == len(names) + (planned.inv_freq is not None) + len(outs)
     caches = [name for name in ("kv_cache", "kpe_cache") if name in names]

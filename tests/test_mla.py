@@ -413,6 +413,35 @@ def test_launch_grid_splits_a_decode_steps_items(rng, randn, deepseek_cache):
     assert mla_grid(spec, p, 132) == (1, 17)
 
 
+def test_launch_block_by_tokens(rng, randn, deepseek_cache):
+    """Blocks of 128 for a decode step (its items split, mla_grid) and up to ~2000 tokens, 96
+    where 64 would leave a thin last wave (4096 tokens on 132 SMs at 40 registers: 1.8 waves of
+    17 blocks an SM against 1.2 of 25), 64 from 16384; every block whole warps, none past the
+    kernel's bound."""
+    from cupyrope.core.arrays import describe
+    from cupyrope.core.mla import plan_mla
+    from cupyrope.cuda.mla_launch import THREADS, mla_geometry, plan_mla_launch
+
+    T = 8
+    q = randn((T, 16, 128 + ROPE), "bfloat16")
+    k_pe, kv_c = randn((T, 1, ROPE), "bfloat16"), randn((T, RANK), "bfloat16")
+    plan = plan_mla("mla_rope_and_cache", q[..., :128], q[..., 128:], None, k_pe, np.arange(T),
+                    rope=dict(cos_sin_cache=deepseek_cache, interleaved=True), kv_c=kv_c,
+                    kv_cache=_poisoned_cache("bfloat16", 2, 4, "float8_e4m3fn"),
+                    slot_mapping=np.arange(T, dtype=np.int32), kv_scale=0.5)
+    outs = [describe(np.empty(x.shape, np_dtype("bfloat16")), "out")
+            for x in (q[..., :128], q[..., 128:])]
+    spec, p = plan_mla_launch(plan, [*outs, None, describe(np.empty_like(k_pe), "out")])
+    for tokens, block, grid in ((1, 128, (1, 3)), (44, 128, (44, 3)), (512, 128, (512, 1)),
+                                (1024, 128, (1024, 1)), (4096, 96, (4096, 1)),
+                                (16384, 64, (16384, 1)), (65536, 64, (65536, 1))):
+        p["num_tokens"] = tokens
+        assert mla_geometry(spec, p, 132, 40) == (block, grid), tokens
+        assert block % 32 == 0 and block <= THREADS
+    p["num_tokens"] = 16384  # 64 registers: 16 blocks of 64 an SM (7.8 waves), still 64
+    assert mla_geometry(spec, p, 132, 64)[0] == 64
+
+
 def test_launch_refuses_tokens_past_32_bit_items(deepseek_cache):
     """The kernel counts a token's items in 32 bits: a token of more elements is refused before
     launch (2^24 heads of broadcast memory: nothing allocated)."""

@@ -8,6 +8,7 @@ device).
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from ..core.mla import MlaPlan, mla_on_host
 from ..core.mrope import MROPE_NONE
 from .compiler import MlaSpec, get_kernel, is_compiled
 from .launch import (FP8_MIN_COMPUTE_CAPABILITY, _compute_capability, _multiprocessors,
-                     device_constants)
+                     _resident_blocks, device_constants)
 
 _POINTERS = ("q_nope", "q_pe", "k_nope", "k_pe", "kv_c", "q_nope_out", "q_pe_out", "k_nope_out",
              "k_pe_out", "kv_cache", "kpe_cache", "positions", "slot_mapping", "table",
@@ -40,7 +41,15 @@ MLA_PARAMS_DTYPE = np.dtype(
     + [(name, np.int64) for name in _WORDS]
     + [(name, np.float32) for name in ("q_scale_value", "k_scale_value", "kv_scale_value",
                                        "attention_factor")])
-THREADS = 128  # the kernel's __launch_bounds__
+THREADS = 128  # the kernel's __launch_bounds__: the largest block
+# Blocks of many tokens, and the kernel's throughput with each against the best (H200,
+# DeepSeek-V3 at T = 65536, bf16 cache: 82.5 / 81.1 / 75.3 % of a copy). A block takes a token,
+# its threads the token's items in rounds (296 items: five rounds of 64, four of 96, three of
+# 128): more, smaller blocks keep more tokens' start-up chains (parameters, position, slot,
+# first loads) in flight an SM, 25 blocks of 64 at 40 registers against 12 of 128. Blocks of
+# 160 or 320 (two rounds, one) were slower still than 128: 69.0 / 41.7 %. The launch takes the
+# best by a wave model (mla_geometry). measured: docs/perf_log.md
+BLOCK_THROUGHPUT = ((64, 1.0), (96, 0.983), (128, 0.913))
 MAX_BLOCKS = 65535 * 4  # tokens beyond are strided over
 TOKEN_ELEMENTS_MAX = 2**31 - 1  # a token's items are counted in 32 bits
 
@@ -76,6 +85,27 @@ def mla_grid(spec: MlaSpec, p: np.ndarray, multiprocessors: int) -> tuple[int, i
     if tokens * shares > multiprocessors:
         shares = 1
     return tokens, shares
+
+
+def mla_geometry(spec: MlaSpec, p: np.ndarray, multiprocessors: int,
+                 num_regs: int) -> tuple[int, tuple[int, int]]:
+    """(threads a block, (gridDim.x, gridDim.y)) of a launch of a kernel of ``num_regs``
+    registers: a decode step (no more tokens than SMs) in blocks of THREADS, its items split
+    (:func:`mla_grid`); more tokens in the block of BLOCK_THROUGHPUT with the best score, the
+    square root of the last wave's fill times the block's throughput (as
+    ``launch.launch_geometry``: a partial last wave runs faster than its idle fraction says).
+    DeepSeek-V3 on 132 SMs at 40 registers: 128 below ~2000 tokens, 96 up to ~8000 (4096: 1.8
+    waves of 17 blocks an SM where 64 leaves 1.2 of 25), 64 from 16384."""
+    grid = mla_grid(spec, p, multiprocessors)
+    if int(p["num_tokens"]) <= multiprocessors:
+        return THREADS, grid
+    best = None
+    for block, throughput in BLOCK_THROUGHPUT:
+        waves = grid[0] / (_resident_blocks(block, num_regs) * multiprocessors)
+        score = (waves / math.ceil(waves)) ** 0.5 * throughput
+        if best is None or score > best[0]:
+            best = (score, block)
+    return best[1], grid
 
 
 def _store_format(dtype: str | None) -> int:
@@ -138,7 +168,7 @@ def mla_on_gpu(plan: MlaPlan, outputs: list[ArrayInfo | None]) -> None:
     kernel = get_kernel(spec, device)
     if rope.q.shape[0] == 0:
         return
-    grid = (*mla_grid(spec, p, _multiprocessors(device)), 1)
+    block, grid = mla_geometry(spec, p, _multiprocessors(device), kernel.num_regs)
     words = (ctypes.c_uint64 * (MLA_PARAMS_DTYPE.itemsize // 8)).from_buffer_copy(p.tobytes())
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(words))
     cupy = cupy_module()
@@ -147,7 +177,7 @@ def mla_on_gpu(plan: MlaPlan, outputs: list[ArrayInfo | None]) -> None:
     if previous != device:
         runtime.setDevice(device)
     try:
-        driver.launchKernel(kernel.ptr, *grid, THREADS, 1, 1, 0, current_stream(like, device),
+        driver.launchKernel(kernel.ptr, *grid, 1, block, 1, 1, 0, current_stream(like, device),
                             ctypes.addressof(argv), 0)
     finally:
         if previous != device:

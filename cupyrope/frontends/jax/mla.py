@@ -12,7 +12,7 @@ import functools
 import hashlib
 import threading
 import warnings
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -390,31 +390,33 @@ _register_rules()
 # The native call: mla_rope_kernel through a flat-argument entry
 
 
-THREADS = 128  # mla_rope_kernel's block (four whole warps)
+THREADS = 128  # mla_rope_kernel's largest block (its launch bound; mla_launch.THREADS)
 # q whole and its output: the pointer fields of their nope and rope parts (the rope part's at
 # the byte offset of the nope dims).
 _WHOLE = {"q": ("q_nope", "q_pe"), "q_out": ("q_nope_out", "q_pe_out")}
 
 
 class NativeMla(NamedTuple):
-    """A planned kernel call: the specialisation, the MlaParams words, the grid, what each of
-    XLA's buffers sets (``(field, byte offset)`` pairs, in XLA's order: operands, the
-    frequencies, results) and the float64 frequencies of computed angles."""
+    """A planned kernel call: the specialisation, the MlaParams words, the block's threads and
+    the grid, what each of XLA's buffers sets (``(field, byte offset)`` pairs, in XLA's order:
+    operands, the frequencies, results) and the float64 frequencies of computed angles."""
 
     spec: object
     params: np.ndarray
+    block: int
     grid: tuple[int, int]
     buffers: tuple[tuple[tuple[str, int], ...], ...]
     inv_freq: np.ndarray | None
 
 
 def plan_native_mla(call: MlaCall, avals_in, avals_out, device: int, *,
-                    multiprocessors: int) -> NativeMla:
+                    multiprocessors: int, num_regs: Callable[[object], int]) -> NativeMla:
     """The kernel call of ``call`` on XLA's buffers (C order) on ``device`` of
     ``multiprocessors`` SMs: the plan from the shapes, ``mla_launch.plan_mla_launch`` on planning
-    addresses, then which struct fields each buffer sets. Needs no GPU."""
+    addresses, then which struct fields each buffer sets; ``num_regs`` gives a specialisation's
+    registers (the geometry's resident blocks: ``mla_launch.mla_geometry``). Needs no GPU."""
     from . import native
-    from ...cuda.mla_launch import mla_grid, plan_mla_launch
+    from ...cuda.mla_launch import mla_geometry, plan_mla_launch
 
     infos = native.planning_infos(avals_in, call.names, device)
     for name in _CACHES:
@@ -464,8 +466,8 @@ def plan_native_mla(call: MlaCall, avals_in, avals_out, device: int, *,
     buffers = [fields(name) for name in call.names]
     buffers += [fields("inv_freq")] if inv_freq is not None else []
     buffers += [() if name in _CACHES else fields(name) for name in results]
-    grid = mla_grid(spec, params, multiprocessors)
-    return NativeMla(spec, params, grid, tuple(buffers), inv_freq)
+    block, grid = mla_geometry(spec, params, multiprocessors, num_regs(spec))
+    return NativeMla(spec, params, block, grid, tuple(buffers), inv_freq)
 
 
 # MlaParams fields of the operands whose names differ.
@@ -537,8 +539,11 @@ def _lower_native(ctx, operands, call: MlaCall):
     from ...cuda.launch import FP8_MIN_COMPUTE_CAPABILITY, _compute_capability, _multiprocessors
 
     device = compiler.current_device()
+    # The registers of the library's own build of the specialisation (the entry compiles the
+    # same kernel body under the same bound) size the geometry.
     planned = plan_native_mla(call, ctx.avals_in, ctx.avals_out, device,
-                              multiprocessors=_multiprocessors(device))
+                              multiprocessors=_multiprocessors(device),
+                              num_regs=lambda spec: compiler.get_kernel(spec, device).num_regs)
     results = call.results()
     if planned.grid[0] == 0:  # no token: empty outputs, the input caches, no launch
         outs = [mlir.full_like_aval(ctx, 0, aval) for aval in ctx.avals_out]
@@ -555,7 +560,7 @@ def _lower_native(ctx, operands, call: MlaCall):
     ptx = mla_entry_ptx(planned, capability, compiler.kernel_arithmetic(planned.spec, device))
     name = mla_kernel_name(planned)
     gpu_triton = native.gpu_triton()
-    kernel = gpu_triton.TritonKernel(name, THREADS // 32, 1, 0, ptx, "", int(capability))
+    kernel = gpu_triton.TritonKernel(name, planned.block // 32, 1, 0, ptx, "", int(capability))
     parameters = [gpu_triton.create_array_parameter(0, native.POINTER_DIVISIBILITY)
                   for _ in planned.buffers]
     parameters += [gpu_triton.create_scalar_parameter(int(w), "u64")
