@@ -423,9 +423,18 @@ def test_native_entry_plans_and_compiles(case, arch):
 @pytest.mark.parametrize("source", ["table", "computed"])
 @pytest.mark.parametrize("fmt,cache_fmt", [(None, None), ("float8_e4m3fn", "float8_e4m3fn")])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_gpu_jit_is_one_native_call_and_matches_eager_cupy(rng, randn, deepseek_cache, joint,
-                                                           source, fmt, cache_fmt, dtype):
+@pytest.mark.parametrize("sms", [None, 1])
+def test_gpu_jit_is_one_native_call_and_matches_eager_cupy(monkeypatch, rng, randn,
+                                                           deepseek_cache, joint, source, fmt,
+                                                           cache_fmt, dtype, sms):
+    """``sms``: the SMs both launches see; None the GPU's (33 tokens: a decode step's split
+    items), 1: blocks of 96 threads, a token's items in rounds (mla_launch.mla_geometry)."""
     cupy = require_native_gpu()
+    if sms is not None:
+        from cupyrope.cuda import launch, mla_launch
+
+        monkeypatch.setattr(launch, "_multiprocessors", lambda device: sms)
+        monkeypatch.setattr(mla_launch, "_multiprocessors", lambda device: sms)
     T, H, nope, blocks, block_size = 33, 16, 128, 8, 8
     q, k_pe, kv_c = randn((T, H, nope + ROPE), dtype), randn((T, ROPE), dtype), randn(
         (T, RANK), dtype)

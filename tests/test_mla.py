@@ -525,15 +525,19 @@ def test_gpu_one_launch_matches_the_reference(rng, randn, deepseek_cache, framew
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("cache_fmt", [None, "float8_e4m3fn"])
 @pytest.mark.parametrize("source", ["table", "computed"])
-@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("block", ["split", 64, 96, 128])
 def test_gpu_blocks_of_a_token_match_the_reference(monkeypatch, rng, randn, deepseek_cache,
                                                   framework, interleaved, cache_fmt, source,
-                                                  split):
-    """301 tokens (skipped slots among them), each a block, or each token's items over several
-    blocks (the decode steps' grid, forced by a GPU of many SMs as the launch sees it)."""
+                                                  block):
+    """301 tokens (skipped slots among them), each a block of 64, 96 or 128 threads (a token's
+    items in five, four or three rounds), or each token's items over several blocks (the decode
+    steps' grid): forced by a GPU of many SMs, or of one, as the launch sees it."""
     from cupyrope.cuda import mla_launch
 
+    split = block == "split"
     monkeypatch.setattr(mla_launch, "_multiprocessors", lambda device: 10**6 if split else 1)
+    if not split:
+        monkeypatch.setattr(mla_launch, "BLOCK_THROUGHPUT", ((block, 1.0),))
     _check_one_launch(rng, randn, deepseek_cache, framework, (128, 64), interleaved,
                       "float8_e4m3fn", cache_fmt, source, True, "bfloat16", tokens=301)
 
