@@ -120,24 +120,26 @@ __device__ __forceinline__ void mla_store_values(void* base, Index offset, const
 // A second destination (`cache`, nullptr: none) takes the same values in its own format: the k
 // head's chunk goes to the k output and to the cache row in one go, so that an in-place k
 // output never overwrites values another thread still has to read.
+template <typename Index>
 struct MlaTarget {
   void* base;
-  long long offset;
+  Index offset;
   long long format;
   float inv_scale;
 };
 
-template <typename T, bool VECTOR, int N>
-__device__ __forceinline__ void mla_store(const MlaTarget& t, long long at, const float (&v)[N]) {
+template <typename T, bool VECTOR, int N, typename Index>
+__device__ __forceinline__ void mla_store(const MlaTarget<Index>& t, Index at,
+                                          const float (&v)[N]) {
   if (t.base != nullptr) {
     mla_store_values<T, VECTOR>(t.base, t.offset + at, v, t.format, t.inv_scale);
   }
 }
 
-template <typename T, bool VECTOR, bool INTERLEAVED, int P, int A>
-__device__ __forceinline__ void mla_rope_chunk(const T* in, const MlaTarget& out,
-                                               const MlaTarget& cache, long long half,
-                                               long long pair0, const float (&c)[P],
+template <typename T, bool VECTOR, bool INTERLEAVED, int P, int A, typename Index>
+__device__ __forceinline__ void mla_rope_chunk(const T* in, const MlaTarget<Index>& out,
+                                               const MlaTarget<Index>& cache, Index half,
+                                               Index pair0, const float (&c)[P],
                                                const float (&s)[P], bool rotate) {
   if constexpr (INTERLEAVED) {
     float x[2 * P], y[2 * P];
@@ -176,8 +178,8 @@ __device__ __forceinline__ void mla_rope_chunk(const T* in, const MlaTarget& out
 // One pass-through chunk of `wide` ? 2 A : A elements: `in` stored at `out_offset` of `out` in
 // `format`, both loads issued before either store (two 16-byte accesses in flight a thread, and
 // an item's index and address work spent on twice the bytes).
-template <typename T, bool VECTOR, int A>
-__device__ __forceinline__ void mla_copy_chunk(const T* in, void* out, long long out_offset,
+template <typename T, bool VECTOR, int A, typename Index>
+__device__ __forceinline__ void mla_copy_chunk(const T* in, void* out, Index out_offset,
                                                long long format, float inv_scale, bool wide) {
   float v[A], w[A];
   mla_load<T, VECTOR, A>(v, in);
@@ -200,39 +202,49 @@ struct MlaDivisor {
 // written), then the rope chunks of every head, so that a warp's items take one path (a warp
 // of 32 items that mixed a head's nope and rope chunks ran both, 19 of 32 threads active).
 // `cache`: where the k head's rotated rope part also goes (base nullptr: nowhere).
-template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, int A, int P>
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, int A, int P,
+          typename Index>
 __device__ __forceinline__ void mla_part_item(
-    const MlaParams& p, int item, long long token, long long position, int nope_items,
+    const MlaParams& p, int item, Index token, long long position, int nope_items,
     const MlaDivisor& nope_chunks, const MlaDivisor& rope_chunks, const void* nope,
     const long long (&nope_strides)[2], void* nope_out, const long long (&nope_out_strides)[2],
     const void* pe, const long long (&pe_strides)[2], void* pe_out,
     const long long (&pe_out_strides)[2], long long format, float inv_scale,
-    const MlaTarget& cache, bool table_vector, bool wide) {
+    const MlaTarget<Index>& cache, bool table_vector, bool wide) {
   if (item < nope_items) {
     const int copy_width = wide ? 2 * A : A;  // a pass-through chunk's elements
     const int head = nope_chunks.of(item);
     const int chunk = item - head * nope_chunks.n;
-    const T* in = static_cast<const T*>(nope) + token * nope_strides[0] + head * nope_strides[1];
+    const T* in = static_cast<const T*>(nope) + (token * static_cast<Index>(nope_strides[0]) +
+                                                 head * static_cast<Index>(nope_strides[1]));
     mla_copy_chunk<T, VECTOR, A>(in + chunk * copy_width, nope_out,
-                                 token * nope_out_strides[0] + head * nope_out_strides[1] +
+                                 token * static_cast<Index>(nope_out_strides[0]) +
+                                     head * static_cast<Index>(nope_out_strides[1]) +
                                      chunk * copy_width,
                                  format, inv_scale, wide);
   } else {
     const int rope_item = item - nope_items;
     const int head = rope_chunks.of(rope_item);
-    const long long pair0 = static_cast<long long>(rope_item - head * rope_chunks.n) * P;
+    const Index pair0 = static_cast<Index>(rope_item - head * rope_chunks.n) * P;
     float c[P], s[P];
     mla_angles<TableT, SOURCE, P>(p, position, pair0, table_vector, c, s);
-    const T* in = static_cast<const T*>(pe) + token * pe_strides[0] + head * pe_strides[1];
-    const MlaTarget out{pe_out, token * pe_out_strides[0] + head * pe_out_strides[1], format,
-                        inv_scale};
-    mla_rope_chunk<T, VECTOR, INTERLEAVED, P, A>(in, out, cache, p.rope_dim / 2, pair0, c, s,
-                                                 p.rotate != 0);
+    const T* in = static_cast<const T*>(pe) + (token * static_cast<Index>(pe_strides[0]) +
+                                               head * static_cast<Index>(pe_strides[1]));
+    const MlaTarget<Index> out{pe_out,
+                               token * static_cast<Index>(pe_out_strides[0]) +
+                                   head * static_cast<Index>(pe_out_strides[1]),
+                               format, inv_scale};
+    mla_rope_chunk<T, VECTOR, INTERLEAVED, P, A>(in, out, cache,
+                                                 static_cast<Index>(p.rope_dim / 2), pair0, c,
+                                                 s, p.rotate != 0);
   }
 }
 
-template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE>
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
 __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
+  // Element offsets into q, k, their outputs, kv_c and the caches: 32-bit where every array's
+  // reach fits (mla_launch.plan_mla_launch), which frees the registers of 64-bit products.
+  using Index = typename IndexOf<WIDE_INDEX>::type;
   // A elements an access; P pairs a rope chunk (GPT-J: A / 2 pairs are A elements).
   constexpr int A = VECTOR ? 16 / static_cast<int>(sizeof(T)) : 1;
   constexpr int P = VECTOR ? (INTERLEAVED ? A / 2 : A) : 1;
@@ -274,8 +286,8 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
       ? rank_chunks + (k_items == 0 ? static_cast<int>(half) / P : 0) : 0;
   const int total = q_items + k_items + cache_items;
   const bool joint = p.kpe_cache == nullptr;
-  const MlaTarget no_cache{nullptr, 0, 0, 0.0f};
-  for (long long token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
+  const MlaTarget<Index> no_cache{nullptr, 0, 0, 0.0f};
+  for (Index token = blockIdx.x; token < p.num_tokens; token += gridDim.x) {
     // Both read here and waited for only by the items that use them: the rope chunks (position)
     // and the k and cache items (slot), the last of a token's items.
     const long long position = p.positions != nullptr
@@ -293,7 +305,7 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
     for (int item = static_cast<int>(threadIdx.x + blockIdx.y * blockDim.x); item < total;
          item += static_cast<int>(blockDim.x * gridDim.y)) {
       if (item < q_items) {
-        mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P>(
+        mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P, Index>(
             p, item, token, position, q_nope_items, q_nope_chunks, rope_chunks, p.q_nope,
             p.q_nope_strides, p.q_nope_out, p.q_nope_out_strides, p.q_pe, p.q_pe_strides,
             p.q_pe_out, p.q_pe_out_strides, p.out_format, q_inv, no_cache, table_vector,
@@ -304,7 +316,7 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
       // The cache row of the token's slot: k_pe's row is in a cache of its own (FlashInfer's
       // kpe_cache) or is the joint row's last rope_dim entries (the host then gives the joint
       // row's strides as kpe strides): one code path for both layouts.
-      long long row = 0, pe_row = 0;
+      Index row = 0, pe_row = 0;
       if (slot >= 0) {
         // 32-bit division where the cache's slots fit (every cache in practice).
         const long long block = p.num_slots <= 0x7fffffffLL
@@ -312,13 +324,16 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
                                      static_cast<unsigned>(p.block_size))
             : slot / p.block_size;
         const long long entry = slot - block * p.block_size;
-        row = block * p.cache_block_stride + entry * p.cache_row_stride;
-        pe_row = block * p.kpe_block_stride + entry * p.kpe_row_stride;
+        row = static_cast<Index>(block) * static_cast<Index>(p.cache_block_stride) +
+              static_cast<Index>(entry) * static_cast<Index>(p.cache_row_stride);
+        pe_row = static_cast<Index>(block) * static_cast<Index>(p.kpe_block_stride) +
+                 static_cast<Index>(entry) * static_cast<Index>(p.kpe_row_stride);
       }
-      const MlaTarget cache_pe{slot >= 0 ? (joint ? p.kv_cache : p.kpe_cache) : nullptr,
-                               pe_row + (joint ? p.rank : 0), p.cache_format, kv_inv};
+      const MlaTarget<Index> cache_pe{slot >= 0 ? (joint ? p.kv_cache : p.kpe_cache) : nullptr,
+                                      pe_row + (joint ? static_cast<Index>(p.rank) : 0),
+                                      p.cache_format, kv_inv};
       if (item < q_items + k_items) {
-        mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P>(
+        mla_part_item<T, TableT, VECTOR, INTERLEAVED, SOURCE, A, P, Index>(
             p, item - q_items, token, position, k_nope_items, k_nope_chunks, rope_chunks,
             p.k_nope, p.k_nope_strides, p.k_nope_out, p.k_nope_out_strides, p.k_pe,
             p.k_pe_strides, p.k_pe_out, p.k_pe_out_strides, p.out_format, k_inv, cache_pe,
@@ -326,17 +341,18 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
       } else {
         const int chunk = item - q_items - k_items;
         if (chunk < rank_chunks) {
-          mla_copy_chunk<T, VECTOR, A>(static_cast<const T*>(p.kv_c) + token * p.kv_c_stride +
-                                           chunk * copy_width,
-                                       p.kv_cache, row + chunk * copy_width, p.cache_format,
-                                       kv_inv, wide);
+          mla_copy_chunk<T, VECTOR, A>(static_cast<const T*>(p.kv_c) +
+                                           (token * static_cast<Index>(p.kv_c_stride) +
+                                            chunk * copy_width),
+                                       p.kv_cache, row + static_cast<Index>(chunk * copy_width),
+                                       p.cache_format, kv_inv, wide);
         } else {
-          const long long pair0 = static_cast<long long>(chunk - rank_chunks) * P;
+          const Index pair0 = static_cast<Index>(chunk - rank_chunks) * P;
           float c[P], s[P];
           mla_angles<TableT, SOURCE, P>(p, position, pair0, table_vector, c, s);
           mla_rope_chunk<T, VECTOR, INTERLEAVED, P, A>(
-              static_cast<const T*>(p.k_pe) + token * p.k_pe_strides[0], cache_pe, no_cache,
-              half, pair0, c, s, p.rotate != 0);
+              static_cast<const T*>(p.k_pe) + token * static_cast<Index>(p.k_pe_strides[0]),
+              cache_pe, no_cache, static_cast<Index>(half), pair0, c, s, p.rotate != 0);
         }
       }
     }
@@ -344,30 +360,44 @@ __device__ __forceinline__ void mla_rope_tokens(const MlaParams& p) {
 }
 
 // Resident blocks of 128 threads (the launch bound; launches of many tokens take blocks of 96 or
-// 64 under the same register cap, 17 or 25 an SM). Each thread keeps one item in flight, so the threads an SM
-// holds are its bytes in flight: the kernel is bound by them, not by its instructions. H200,
-// DeepSeek-V3 at T = 65536 (bf16 / fp8 cache), % of a copy: 8 blocks (64 registers) 59.7 / 57.5,
-// 9 (55) 64.7 / 62.5, 10 (42) 68.5 / 65.7, 12 (40) 74.9 / 71.6; 14 and more (32 registers)
-// spill. 12 on sm_90 for 16-bit GPT-J pairs, the DeepSeek pairing (no spill); 10 for float32
-// GPT-J pairs (at 12 the kernel with computed angles spilled 12 bytes, and since the slot's
-// wait moved into the loop the table's 102; at 10 both fit 46-48 registers, speed not
-// measured); 8 for NeoX chunks (twice the pairs: 22-72 bytes spilled at 10 and 12) and
-// elsewhere: sm_80 / 100 / 120 spilled from 9, and 8 is what those GPUs were built and tested
-// with (4 blocks held 640 threads at the 92-104 registers ptxas took without a cap).
-// cupyrope/frontends/jax/mla.py's native entry takes the same bound from here.
-template <typename T, bool INTERLEAVED, int SOURCE>
+// 64 under the same register cap: mla_launch.mla_geometry). Each thread keeps one item in
+// flight, so the threads an SM holds are its bytes in flight: the kernel is bound by them, not
+// by its instructions. H200, DeepSeek-V3 at T = 65536 (bf16 / fp8 cache), % of a copy, 64-bit
+// offsets in blocks of 128: 8 blocks (64 registers) 59.7 / 57.5, 9 (55) 64.7 / 62.5, 10 (42)
+// 68.5 / 65.7, 12 (40) 74.9 / 71.6; 14 and more (32 registers) spilled. With 32-bit offsets
+// (WIDE_INDEX false) the 16-bit GPT-J kernel with a cos / sin table fits 32 registers with no
+// spill: 16 blocks, 2048 threads an SM (blocks of 64 at 40 registers: 81.6 / 79.6 -> 85.9 /
+// 86.1 at 32). On sm_90:
+//   16  16-bit GPT-J pairs from a table, 32-bit offsets, but float16 with a float32 table
+//       (16 bytes spilled at 14 and 16: ptxas caps both at 32 registers);
+//   12  the other 16-bit GPT-J kernels (computed angles spilled 200-232 bytes at 16; 64-bit
+//       offsets, 40 registers);
+//   10  float32 GPT-J pairs (12 spilled 12-102 bytes; 46-48 registers at 10, speed not
+//       measured);
+//   8   NeoX chunks (twice the pairs: 22-72 bytes spilled at 10 and 12).
+// sm_80 / 100 / 120: 8 (they spilled from 9, and 8 is what those GPUs were built and tested
+// with: 4 blocks held 640 threads at the 92-104 registers ptxas took without a cap).
+// tests/test_kernel_compile.py checks that nothing spills; cupyrope/frontends/jax/mla.py's
+// native entry takes the same bound from here.
+template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
 struct MlaMinBlocksPerSM {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-  static constexpr int value = !INTERLEAVED ? 8 : sizeof(T) == 4 ? 10 : 12;
+  static constexpr bool sixteen_bit = sizeof(T) == 2;
+  static constexpr int value =
+      !INTERLEAVED ? 8
+      : !sixteen_bit ? 10
+      : WIDE_INDEX || SOURCE != kCacheTable ? 12
+      : IsHalf<T>::value && sizeof(TableT) == 4 ? 12 : 16;
 #else
   static constexpr int value = 8;
 #endif
 };
 
-template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE>
-__global__ __launch_bounds__(128, (MlaMinBlocksPerSM<T, INTERLEAVED, SOURCE>::value)) void
+template <typename T, typename TableT, bool VECTOR, bool INTERLEAVED, int SOURCE, bool WIDE_INDEX>
+__global__ __launch_bounds__(128, (MlaMinBlocksPerSM<T, TableT, INTERLEAVED, SOURCE,
+                                                     WIDE_INDEX>::value)) void
 mla_rope_kernel(const MlaParams p) {
-  mla_rope_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE>(p);
+  mla_rope_tokens<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX>(p);
 }
 
 }  // namespace cupyrope

@@ -442,6 +442,39 @@ def test_launch_block_by_tokens(rng, randn, deepseek_cache):
     assert mla_geometry(spec, p, 132, 64)[0] == 64
 
 
+def test_launch_takes_64_bit_offsets_only_past_32_bit_reach(deepseek_cache):
+    """32-bit element offsets (the 16-resident-block kernel on sm_90) unless an array the kernel
+    indexes by token, head or slot reaches 2^30 elements: a plan whose cache (or q) is described
+    as that large takes the 64-bit kernel (nothing allocated: the launch is only planned)."""
+    import dataclasses
+
+    from cupyrope.core.arrays import describe
+    from cupyrope.core.mla import plan_mla
+    from cupyrope.cuda.mla_launch import plan_mla_launch
+
+    bf16 = np_dtype("bfloat16")
+    T, nope, row = 4, 128, RANK + ROPE
+    q = np.zeros((T, 16, nope + ROPE), bf16)
+    k_pe, kv_c = np.zeros((T, 1, ROPE), bf16), np.zeros((T, RANK), bf16)
+    plan = plan_mla("mla_rope_and_cache", q[..., :nope], q[..., nope:], None, k_pe,
+                    np.arange(T), rope=dict(cos_sin_cache=deepseek_cache), kv_c=kv_c,
+                    kv_cache=np.zeros((2, 4, row), bf16), slot_mapping=np.arange(T, dtype=np.int32))
+    outs = [describe(np.empty(x.shape, bf16), "out") for x in (q[..., :nope], q[..., nope:])]
+    outs += [None, describe(np.empty_like(k_pe), "out")]
+
+    def spec_of(plan):
+        return plan_mla_launch(plan, outs)[0]
+
+    assert not spec_of(plan).wide_index
+    assert spec_of(plan).name_expression.endswith(", 0, false>")
+    blocks = -(-2**30 // (4 * row))  # a cache of this many blocks reaches past 2^30 elements
+    for n, wide in ((blocks - 1, False), (blocks, True)):
+        cache = dataclasses.replace(plan.kv_cache, shape=(n, 4, row))
+        assert spec_of(dataclasses.replace(plan, kv_cache=cache)).wide_index == wide, n
+    far = dataclasses.replace(plan.rope.q, strides=(2**30 // (T - 1) + 1, *plan.rope.q.strides[1:]))
+    assert spec_of(dataclasses.replace(plan, rope=dataclasses.replace(plan.rope, q=far))).wide_index
+
+
 def test_launch_refuses_tokens_past_32_bit_items(deepseek_cache):
     """The kernel counts a token's items in 32 bits: a token of more elements is refused before
     launch (2^24 heads of broadcast memory: nothing allocated)."""
@@ -526,14 +559,18 @@ def test_gpu_one_launch_matches_the_reference(rng, randn, deepseek_cache, framew
 @pytest.mark.parametrize("cache_fmt", [None, "float8_e4m3fn"])
 @pytest.mark.parametrize("source", ["table", "computed"])
 @pytest.mark.parametrize("block", ["split", 64, 96, 128])
+@pytest.mark.parametrize("offsets", [32, 64])
 def test_gpu_blocks_of_a_token_match_the_reference(monkeypatch, rng, randn, deepseek_cache,
                                                   framework, interleaved, cache_fmt, source,
-                                                  block):
+                                                  block, offsets):
     """301 tokens (skipped slots among them), each a block of 64, 96 or 128 threads (a token's
     items in five, four or three rounds), or each token's items over several blocks (the decode
-    steps' grid): forced by a GPU of many SMs, or of one, as the launch sees it."""
+    steps' grid): forced by a GPU of many SMs, or of one, as the launch sees it; with 32-bit
+    element offsets, or 64-bit ones (the kernel of arrays past 2^30 elements, forced)."""
     from cupyrope.cuda import mla_launch
 
+    if offsets == 64:
+        monkeypatch.setattr(mla_launch, "INDEX32_LIMIT", 1)
     split = block == "split"
     monkeypatch.setattr(mla_launch, "_multiprocessors", lambda device: 10**6 if split else 1)
     if not split:

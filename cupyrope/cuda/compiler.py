@@ -502,22 +502,25 @@ class MlaSpec:
     vector: bool  # 16-byte accesses (else one element at a time)
     interleaved: bool  # GPT-J pairing (else NeoX)
     source: AngleSource  # CACHE_TABLE or COMPUTED
+    wide_index: bool = False  # 64-bit element offsets (else 32-bit: every array's reach fits)
 
     @property
     def name_expression(self) -> str:
         return (f"cupyrope::mla_rope_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
                 f"{CUDA_TYPE_NAMES[self.table_dtype]}, {str(self.vector).lower()}, "
-                f"{str(self.interleaved).lower()}, {int(self.source)}>")
+                f"{str(self.interleaved).lower()}, {int(self.source)}, "
+                f"{str(self.wide_index).lower()}>")
 
 
 def _mla_specialisations() -> tuple[MlaSpec, ...]:
-    """Every MLA dtype, both widths and pairings; computed angles, and cos_sin_cache tables of
-    float32 or (16-bit activations) the activations' own dtype."""
+    """Every MLA dtype, both widths, pairings and offset widths; computed angles, and
+    cos_sin_cache tables of float32 or (16-bit activations) the activations' own dtype."""
     specs = []
-    for dtype, vector, interleaved in itertools.product(MLA_DTYPES, (True, False), (True, False)):
-        specs += [MlaSpec(dtype, table, vector, interleaved, AngleSource.CACHE_TABLE)
+    for dtype, vector, interleaved, wide in itertools.product(MLA_DTYPES, (True, False),
+                                                              (True, False), (False, True)):
+        specs += [MlaSpec(dtype, table, vector, interleaved, AngleSource.CACHE_TABLE, wide)
                   for table in dict.fromkeys(("float32", dtype))]
-        specs.append(MlaSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED))
+        specs.append(MlaSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED, wide))
     return tuple(specs)
 
 

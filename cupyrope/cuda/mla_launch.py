@@ -20,8 +20,8 @@ from ..core.fused_plan import STORE_FORMATS
 from ..core.mla import MlaPlan, mla_on_host
 from ..core.mrope import MROPE_NONE
 from .compiler import MlaSpec, get_kernel, is_compiled
-from .launch import (FP8_MIN_COMPUTE_CAPABILITY, _compute_capability, _multiprocessors,
-                     _resident_blocks, device_constants)
+from .launch import (FP8_MIN_COMPUTE_CAPABILITY, INDEX32_LIMIT, _compute_capability, _extent,
+                     _multiprocessors, _resident_blocks, device_constants)
 
 _POINTERS = ("q_nope", "q_pe", "k_nope", "k_pe", "kv_c", "q_nope_out", "q_pe_out", "k_nope_out",
              "k_pe_out", "kv_cache", "kpe_cache", "positions", "slot_mapping", "table",
@@ -261,7 +261,11 @@ def plan_mla_launch(plan: MlaPlan, outputs: list[ArrayInfo | None], *,
               (plan.kpe_cache, cache_itemsize)]
     arrays += [(info, out_itemsize) for info in outputs]
     vector = _vector_ok(plan, arrays, access)
-    return MlaSpec(rope.q.dtype, table_dtype, vector, rope.interleaved, rope.source), p
+    # 32-bit element offsets where every array the kernel indexes by token, head or slot
+    # reaches less than INDEX32_LIMIT elements (positions, slots and the table stay 64-bit).
+    wide_index = max([rope.q.shape[0]] + [_extent(info) for info, _ in arrays]) >= INDEX32_LIMIT
+    return MlaSpec(rope.q.dtype, table_dtype, vector, rope.interleaved, rope.source,
+                   wide_index), p
 
 
 # ------------------------------------------------------------------------------------------------

@@ -492,7 +492,8 @@ def mla_entry_source(native_mla: NativeMla, name: str) -> str:
     body = expression.replace("mla_rope_kernel", "mla_rope_tokens", 1)
     spec = native_mla.spec
     bound = (f"cupyrope::MlaMinBlocksPerSM<{CUDA_TYPE_NAMES[spec.dtype]}, "
-             f"{str(spec.interleaved).lower()}, {int(spec.source)}>::value")
+             f"{CUDA_TYPE_NAMES[spec.table_dtype]}, {str(spec.interleaved).lower()}, "
+             f"{int(spec.source)}, {str(spec.wide_index).lower()}>::value")
     lines.append(f"{body}(mla.p);")
     separator = ",\n    "
     statements = "\n  ".join(lines)
