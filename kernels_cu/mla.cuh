@@ -6,8 +6,9 @@
 // scale through store_values of fused.cuh).
 //
 // Work: blockIdx.x strides over tokens; the threads of a block (64-128: mla_launch.mla_geometry;
-// of gridDim.y blocks, a decode step's share) share out the token's items in rounds, one access of A elements (16 bytes when VECTOR;
-// pass-through chunks two where the parts split into them) each:
+// of gridDim.y blocks, a decode step's share) share out the token's items in rounds, one
+// access of A elements (16 bytes when VECTOR; pass-through chunks two where the parts split
+// into them) each:
 //   q items    num_q_heads * (nope chunks + rope chunks), when q outputs are written;
 //   k items    num_k_heads * (k nope chunks + rope chunks), when k outputs are written;
 //   cache      kv_c chunks, when the token's slot is in the cache; the rotated k_pe goes to the
