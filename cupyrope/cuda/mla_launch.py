@@ -43,12 +43,14 @@ MLA_PARAMS_DTYPE = np.dtype(
                                        "attention_factor")])
 THREADS = 128  # the kernel's __launch_bounds__: the largest block
 # Blocks of many tokens, and the kernel's throughput with each against the best (H200,
-# DeepSeek-V3 at T = 65536, bf16 cache: 82.5 / 81.1 / 75.3 % of a copy). A block takes a token,
-# its threads the token's items in rounds (296 items: five rounds of 64, four of 96, three of
-# 128): more, smaller blocks keep more tokens' start-up chains (parameters, position, slot,
-# first loads) in flight an SM, 25 blocks of 64 at 40 registers against 12 of 128. Blocks of
-# 160 or 320 (two rounds, one) were slower still than 128: 69.0 / 41.7 %. The launch takes the
-# best by a wave model (mla_geometry). measured: docs/perf_log.md
+# DeepSeek-V3 at T = 65536, bf16 cache, the kernel at 40 registers: 82.5 / 81.1 / 75.3 % of a
+# copy; at the 32 registers of its 32-bit-offset build, 64 against 128: 85.9 / 84.2). A block
+# takes a token, its threads the token's items in rounds (296 items: five rounds of 64, four of
+# 96, three of 128): more, smaller blocks keep more tokens' start-up chains (parameters,
+# position, slot, first loads) in flight an SM (at 40 registers 25 blocks of 64 against 12 of
+# 128; at 32, 32 against 16). Blocks of 160 or 320 (two rounds, one) were slower still than
+# 128: 69.0 / 41.7 %. The launch takes the best by a wave model (mla_geometry). measured:
+# docs/perf_log.md
 BLOCK_THROUGHPUT = ((64, 1.0), (96, 0.983), (128, 0.913))
 MAX_BLOCKS = 65535 * 4  # tokens beyond are strided over
 TOKEN_ELEMENTS_MAX = 2**31 - 1  # a token's items are counted in 32 bits
@@ -94,8 +96,10 @@ def mla_geometry(spec: MlaSpec, p: np.ndarray, multiprocessors: int,
     (:func:`mla_grid`); more tokens in the block of BLOCK_THROUGHPUT with the best score, the
     square root of the last wave's fill times the block's throughput (as
     ``launch.launch_geometry``: a partial last wave runs faster than its idle fraction says).
-    DeepSeek-V3 on 132 SMs at 40 registers: 128 below ~2000 tokens, 96 up to ~8000 (4096: 1.8
-    waves of 17 blocks an SM where 64 leaves 1.2 of 25), 64 from 16384."""
+    DeepSeek-V3 on 132 SMs at 40 registers (64-bit offsets): 128 below ~2000 tokens, 96 up to
+    ~8000 (4096: 1.8 waves of 17 blocks an SM where 64 leaves 1.2 of 25), 64 from 16384; at 32
+    registers (its 32-bit-offset build on sm_90) 128 below ~2000 tokens, 96 around 2500, 64 from
+    4096 (0.97 waves of 32 blocks an SM)."""
     grid = mla_grid(spec, p, multiprocessors)
     if int(p["num_tokens"]) <= multiprocessors:
         return THREADS, grid
