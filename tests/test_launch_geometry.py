@@ -72,6 +72,20 @@ def test_plain_launches_of_uneven_lanes_keep_heads_within_a_warp_in_place(D, chu
         T, D=128, dtype="float16", inplace=True)[0]
 
 
+@pytest.mark.parametrize("hk", [2, 4, 8, 32])
+@pytest.mark.parametrize("T", [1, 512, 65536])
+def test_in_place_uneven_lanes_fill_whole_warps(T, hk):
+    """q 32 heads and k 4 of 80 dims take 2 heads a thread over 20 head lanes of 8 (160 threads, 5
+    whole warps of 4 heads each), not 18 (144 threads: a warp with 2 heads and 16 idle lanes)."""
+    ((lanes, block_y, tokens), (grid_x, grid_y)), _ = _geometry(
+        T, D=80, hk=hk, dtype="float16", inplace=True, plain=True)
+    assert lanes == 8 and (lanes * block_y) % 32 == 0
+    assert block_y * grid_y >= -(-(32 + hk) // launch.UNEVEN_LANES_MAX_HEADS)
+    assert lanes * block_y * tokens <= launch.THREADS_PER_BLOCK and grid_x * tokens >= T
+    if T == 65536 and hk == 4:
+        assert (block_y, grid_y) == (20, 1)
+
+
 def test_offsets_past_the_int32_headroom_take_the_64_bit_kernels():
     small = np.zeros((4, 2, 8), dtype=np.float32)
     plan = plan_rope(small)

@@ -440,6 +440,11 @@ def test_launch_block_by_tokens(rng, randn, deepseek_cache):
         assert block % 32 == 0 and block <= THREADS
     p["num_tokens"] = 16384  # 64 registers: 16 blocks of 64 an SM (7.8 waves), still 64
     assert mla_geometry(spec, p, 132, 64)[0] == 64
+    # 32 registers (the 32-bit-offset build on sm_90): 96 past the SMs, 128 and the split below.
+    for tokens, block, grid in ((44, 128, (44, 3)), (133, 96, (133, 1)), (512, 96, (512, 1)),
+                                (4096, 96, (4096, 1)), (65536, 96, (65536, 1))):
+        p["num_tokens"] = tokens
+        assert mla_geometry(spec, p, 132, 32) == (block, grid), tokens
 
 
 def test_launch_takes_64_bit_offsets_only_past_32_bit_reach(deepseek_cache):
@@ -575,6 +580,7 @@ def test_gpu_blocks_of_a_token_match_the_reference(monkeypatch, rng, randn, deep
     monkeypatch.setattr(mla_launch, "_multiprocessors", lambda device: 10**6 if split else 1)
     if not split:
         monkeypatch.setattr(mla_launch, "BLOCK_THROUGHPUT", ((block, 1.0),))
+        monkeypatch.setattr(mla_launch, "BLOCK_THROUGHPUT_32_REGISTERS", ((block, 1.0),))
     _check_one_launch(rng, randn, deepseek_cache, framework, (128, 64), interleaved,
                       "float8_e4m3fn", cache_fmt, source, True, "bfloat16", tokens=301)
 

@@ -535,6 +535,11 @@ MAX_TOKENS_PER_BLOCK = 64
 # the wave model (the cap cost the H200 2-4 points there). measured:
 # docs/perf_log.md#uneven_lanes_max_heads
 UNEVEN_LANES_MAX_HEADS = 2
+# Those in-place launches also round a block's head lanes up to whole warps (lanes x head lanes a
+# multiple of 32: 36 heads at 2 a thread take 20 head lanes of 8, not 18), so that every warp
+# holds four whole heads of one round. H200, in place, T = 65536, GQA 8 (q 32, k 4 heads): D = 80
+# 69.3 -> 80.9 %, D = 96 83.6 -> 86.4 (40 or 64 heads already fill whole warps). measured:
+# docs/perf_log.md#uneven_lanes_whole_warps
 
 
 @functools.lru_cache(maxsize=None)
@@ -591,7 +596,7 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     ``plain``: the rope kernels' launch (not the fused or re-rotation kernels'), where in place
     heads whose chunks are not a power-of-two number of lanes (head_dim 80, 96: 5, 6 lanes) take
     lanes rounded up to a power of two and at most UNEVEN_LANES_MAX_HEADS heads a thread, so that
-    no warp holds part of a head whose other part another warp rewrites.
+    no warp holds part of a head whose other part another warp rewrites, in blocks of whole warps.
 
     ``pass_lanes``: the lean fused kernel's lanes of the dims past rotary_dim, after the
     rotated chunks' (:func:`lean_pass_lanes`); the other kernels spread those dims over the
@@ -607,9 +612,10 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     # Without rotation (rotary_dim 0: write_cache) the lanes split the copied chunks instead.
     lanes = max(1, min(chunks or pass_chunks, 32))
     candidates = HEADS_PER_THREAD
+    whole_warps = False
     if plain and plan.inplace and lanes & (lanes - 1):
         candidates = tuple(h for h in HEADS_PER_THREAD if h <= UNEVEN_LANES_MAX_HEADS)
-        power_of_two_lanes = True
+        power_of_two_lanes = whole_warps = True
     if power_of_two_lanes:  # RMSNorm sums a head over its lanes with warp shuffles (fused.cuh)
         lanes = 1 << (lanes - 1).bit_length()
     # 16-byte accesses per head and thread: both halves (NeoX) or one (interleaved), plus a share
@@ -624,6 +630,8 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
         head_lanes = -(-num_heads // heads_per_thread)
         grid_y = -(-head_lanes // max(1, THREADS_PER_BLOCK // lanes))
         block_y = -(-head_lanes // grid_y)  # 40 head lanes over 2 blocks: 20 + 20, not 32 + 8
+        if whole_warps:  # UNEVEN_LANES_WHOLE_WARPS
+            block_y = -(-block_y * lanes // 32) * 32 // lanes
         tokens = max(1, min(MAX_TOKENS_PER_BLOCK, THREADS_PER_BLOCK // (lanes * block_y)))
         grid_x = -(-plan.num_tokens // tokens)
         threads = lanes * block_y * tokens

@@ -52,6 +52,13 @@ THREADS = 128  # the kernel's __launch_bounds__: the largest block
 # 128: 69.0 / 41.7 %. The launch takes the best by a wave model (mla_geometry). measured:
 # docs/perf_log.md
 BLOCK_THROUGHPUT = ((64, 1.0), (96, 0.983), (128, 0.913))
+# A kernel of at most 32 registers (the 32-bit-offset DeepSeek build on sm_90: 2048 threads an SM
+# in blocks of 64 or 96) runs fastest in blocks of 96 at every T past the SMs, which the wave
+# model does not see (it took 64 from 4096 tokens). H200, T = 512 / 4096 / 16384 / 65536, bf16
+# cache, blocks of 64 / 96 / 128: 7.90 / 6.58 / 6.69 us, 75.0 / 76.2 / 74.4, 82.3 / 83.5 / 81.4,
+# 86.3 / 86.2 / 84.5 % of a copy; fp8 cache at 4096 / 16384 / 65536: 70.0 / 74.2 / 71.6, 80.5 /
+# 83.7 / 79.5, 86.6 / 87.1 / 82.3. measured: docs/perf_log.md
+BLOCK_THROUGHPUT_32_REGISTERS = ((96, 1.0),)
 MAX_BLOCKS = 65535 * 4  # tokens beyond are strided over
 TOKEN_ELEMENTS_MAX = 2**31 - 1  # a token's items are counted in 32 bits
 
@@ -98,13 +105,14 @@ def mla_geometry(spec: MlaSpec, p: np.ndarray, multiprocessors: int,
     ``launch.launch_geometry``: a partial last wave runs faster than its idle fraction says).
     DeepSeek-V3 on 132 SMs at 40 registers (64-bit offsets): 128 below ~2000 tokens, 96 up to
     ~8000 (4096: 1.8 waves of 17 blocks an SM where 64 leaves 1.2 of 25), 64 from 16384; at 32
-    registers (its 32-bit-offset build on sm_90) 128 below ~2000 tokens, 96 around 2500, 64 from
-    4096 (0.97 waves of 32 blocks an SM)."""
+    registers (its 32-bit-offset build on sm_90) 96 past the SMs (BLOCK_THROUGHPUT_32_REGISTERS:
+    measured best there at every T, where the model took 64 from 4096 tokens)."""
     grid = mla_grid(spec, p, multiprocessors)
     if int(p["num_tokens"]) <= multiprocessors:
         return THREADS, grid
     best = None
-    for block, throughput in BLOCK_THROUGHPUT:
+    table = BLOCK_THROUGHPUT_32_REGISTERS if num_regs <= 32 else BLOCK_THROUGHPUT
+    for block, throughput in table:
         waves = grid[0] / (_resident_blocks(block, num_regs) * multiprocessors)
         score = (waves / math.ceil(waves)) ** 0.5 * throughput
         if best is None or score > best[0]:
