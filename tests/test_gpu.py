@@ -421,7 +421,8 @@ def test_head_dims(rng, dtype, source, head_dim, interleaved):
 @pytest.mark.parametrize("head_dim", [80, 96])
 def test_in_place_uneven_lanes_in_whole_warps(rng, head_dim, hk):
     """In place, heads of 5 / 6 lanes padded to 8, two heads a thread, blocks rounded up to whole
-    warps (launch.UNEVEN_LANES_MAX_HEADS): 36 heads over 20 head lanes, 40 over 20."""
+    warps (launch.UNEVEN_LANES_MAX_HEADS, UNEVEN_LANES_WHOLE_WARPS): 36 heads over 20 head lanes,
+    40 over 20."""
     q, k = make_qk(rng, BF16, (600,), hq=32, hk=hk, d=head_dim)
     positions = random_positions(rng, (600,))
     angles = make_angles("cache", q.shape, positions, head_dim, q=q, interleaved=False)

@@ -86,6 +86,14 @@ def test_in_place_uneven_lanes_fill_whole_warps(T, hk):
         assert (block_y, grid_y) == (20, 1)
 
 
+def test_in_place_uneven_lanes_without_whole_warps(monkeypatch):
+    """The rule is a switch (UNEVEN_LANES_WHOLE_WARPS) for A / B runs: off, 36 heads take 18."""
+    monkeypatch.setattr(launch, "UNEVEN_LANES_WHOLE_WARPS", False)
+    ((lanes, block_y, _), (_, grid_y)), _ = _geometry(
+        65536, D=80, hk=4, dtype="float16", inplace=True, plain=True)
+    assert (lanes, block_y, grid_y) == (8, 18, 1)
+
+
 def test_offsets_past_the_int32_headroom_take_the_64_bit_kernels():
     small = np.zeros((4, 2, 8), dtype=np.float32)
     plan = plan_rope(small)

@@ -540,6 +540,7 @@ UNEVEN_LANES_MAX_HEADS = 2
 # holds four whole heads of one round. H200, in place, T = 65536, GQA 8 (q 32, k 4 heads): D = 80
 # 69.3 -> 80.9 %, D = 96 83.6 -> 86.4 (40 or 64 heads already fill whole warps). measured:
 # docs/perf_log.md#uneven_lanes_whole_warps
+UNEVEN_LANES_WHOLE_WARPS = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -615,7 +616,8 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     whole_warps = False
     if plain and plan.inplace and lanes & (lanes - 1):
         candidates = tuple(h for h in HEADS_PER_THREAD if h <= UNEVEN_LANES_MAX_HEADS)
-        power_of_two_lanes = whole_warps = True
+        power_of_two_lanes = True
+        whole_warps = UNEVEN_LANES_WHOLE_WARPS
     if power_of_two_lanes:  # RMSNorm sums a head over its lanes with warp shuffles (fused.cuh)
         lanes = 1 << (lanes - 1).bit_length()
     # 16-byte accesses per head and thread: both halves (NeoX) or one (interleaved), plus a share
@@ -630,7 +632,7 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
         head_lanes = -(-num_heads // heads_per_thread)
         grid_y = -(-head_lanes // max(1, THREADS_PER_BLOCK // lanes))
         block_y = -(-head_lanes // grid_y)  # 40 head lanes over 2 blocks: 20 + 20, not 32 + 8
-        if whole_warps:  # UNEVEN_LANES_WHOLE_WARPS
+        if whole_warps:
             block_y = -(-block_y * lanes // 32) * 32 // lanes
         tokens = max(1, min(MAX_TOKENS_PER_BLOCK, THREADS_PER_BLOCK // (lanes * block_y)))
         grid_x = -(-plan.num_tokens // tokens)
