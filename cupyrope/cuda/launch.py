@@ -536,9 +536,11 @@ MAX_TOKENS_PER_BLOCK = 64
 # docs/perf_log.md#uneven_lanes_max_heads
 UNEVEN_LANES_MAX_HEADS = 2
 # Those in-place launches also round a block's head lanes up to whole warps (lanes x head lanes a
-# multiple of 32: 36 heads at 2 a thread take 20 head lanes of 8, not 18), so that every warp
-# holds four whole heads of one round. H200, in place, T = 65536, GQA 8 (q 32, k 4 heads): D = 80
-# 69.3 -> 80.9 %, D = 96 83.6 -> 86.4 (40 or 64 heads already fill whole warps). measured:
+# multiple of 32: 36 heads at 2 a thread take 20 head lanes of 8, not 18). Then every warp holds
+# four whole heads of one round, and a round's head step is a multiple of four heads: whole
+# 128-byte lines for 160-byte heads, where every slow in-place geometry measured started its
+# second round mid-line. H200, in place, T = 65536, GQA 8 (q 32, k 4 heads): D = 80 69.3 -> 80.9
+# %, D = 96 83.6 -> 86.4 (40 or 64 heads already fill whole warps). measured:
 # docs/perf_log.md#uneven_lanes_whole_warps
 UNEVEN_LANES_WHOLE_WARPS = True
 
