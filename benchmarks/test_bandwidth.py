@@ -28,7 +28,7 @@ from cupyrope import bench as bm
 pytestmark = pytest.mark.benchmark(timer=bm.GPU_CLOCK)
 
 LARGE_TOKENS = (16384, 65536)
-HEAD_SHAPE_ROUNDS = 5  # 36 rows of >= 256 MiB: few rounds keep them cheap
+HEAD_SHAPE_ROUNDS = 5  # 63 rows of >= 100 MiB: few rounds keep them cheap
 COMPILED_GQA = 4  # torch.compile costs a compile per shape: one ratio here, all in the sweep
 REFERENCE_IMPLS = ("copy",) + bm.CUPYROPE_IMPLS + bm.PEER_IMPLS
 SOURCES_OUT_OF_PLACE = ("cupyrope-cache", "cupyrope-computed", "cupyrope-tables")
@@ -66,6 +66,9 @@ def _cases():
                                  == COMPILED_GQA * shape.num_k_heads else ())
         done = shape.tokens == 16384 and shape.num_k_heads == 8
         cases += [_case(shape, impl) for impl in impls if not (done and impl in head_dim_rows)]
+    # Tensor-parallel shards: few heads a token.
+    for shape in bm.shapes.shard_shapes():
+        cases += [_case(shape, impl) for impl in head_dim_rows]
     # Partial rotary.
     for tokens in LARGE_TOKENS:
         shape = bm.RopeShape(tokens=tokens, rotary_dim=64)
@@ -81,5 +84,5 @@ def _cases():
 
 @pytest.mark.parametrize("shape, impl", _cases())
 def test_bandwidth(rope_bench, shape, impl):
-    many = shape in bm.shapes.head_shapes()
+    many = shape in bm.shapes.head_shapes() + bm.shapes.shard_shapes()
     rope_bench.bandwidth(shape, impl, **({"rounds": HEAD_SHAPE_ROUNDS} if many else {}))

@@ -628,6 +628,13 @@ def test_head_shapes_cover_every_head_dim_and_gqa_ratio_with_dram_sized_traffic(
     assert shapes.bandwidth_tokens(32, 32, 256) == 16384
 
 
+def test_shard_shapes_are_the_few_heads_of_tensor_parallel_serving():
+    found = shapes.shard_shapes()
+    assert [(s.head_dim, s.num_q_heads, s.num_k_heads) for s in found] == [
+        (d, hq, hk) for d in (80, 96, 128) for hq, hk in ((8, 1), (8, 2), (4, 1))]
+    assert {s.tokens for s in found} == {65536} and not set(found) & set(shapes.head_shapes())
+
+
 def test_head_shape_rows_move_the_bytes_of_their_heads():
     shape = workloads.RopeShape(tokens=6, num_q_heads=4, num_k_heads=1, head_dim=80,
                                 max_position=64)

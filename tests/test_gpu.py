@@ -429,6 +429,26 @@ def test_in_place_uneven_lanes_in_whole_warps(rng, head_dim, hk):
     rope_and_check(q, k, angles, rotary_dim=head_dim, inplace=True)
 
 
+@pytest.mark.parametrize("head_dim,hq,hk,block", [
+    (80, 32, 4, (5, 32, 1)), (80, 64, 8, (5, 32, 1)), (80, 8, 1, (5, 9, 2)), (96, 4, 1, (6, 5, 4))])
+def test_in_place_uneven_lanes_on_fast_memory(rng, monkeypatch, planned_launches, head_dim, hq,
+                                              hk, block):
+    """FAST_MEMORY's in-place launches of unpadded uneven lanes (forced here on any GPU: launch.
+    UNEVEN_LANES_FAST_MEMORY_MIN_TOKENS): 5 lanes in blocks of 32 head lanes, every head by the
+    kernel's loop over head lanes (36 heads in rounds of 32 and 4, 72 in 32, 32 and 8); few heads
+    a block row each, whole tokens a block."""
+    from cupyrope.cuda import launch
+
+    monkeypatch.setattr(launch, "_memory_bandwidth", lambda device: launch.FAST_MEMORY)
+    T = launch.UNEVEN_LANES_FAST_MEMORY_MIN_TOKENS + 1  # a last block of one token
+    q, k = make_qk(rng, BF16, (T,), hq=hq, hk=hk, d=head_dim)
+    positions = random_positions(rng, (T,))
+    angles = make_angles("cache", q.shape, positions, head_dim, q=q, interleaved=False)
+    rope_and_check(q, k, angles, rotary_dim=head_dim, inplace=True)
+    (spec,) = planned_launches
+    assert spec.block == block and spec.grid == (-(-T // block[2]), 1)
+
+
 # --------------------------------------------------------------------------------------------------
 # Partial rotary: dims >= rotary_dim pass through bit for bit (copied out of place, untouched in place)
 

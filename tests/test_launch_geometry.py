@@ -18,13 +18,14 @@ def h200_like(monkeypatch):
 
 
 def _geometry(T, D=128, hq=32, hk=8, rotary_dim=None, dtype="float32", inplace=False,
-              plain=False):
+              plain=False, memory_bandwidth=0.0):
     q = np.zeros((T, hq, D), dtype=dtype)
     k = np.zeros((T, hk, D), dtype=dtype)
     plan = plan_rope(q, k, rotary_dim=rotary_dim, inplace=inplace)
     access, pairs = access_layout(q.itemsize, True, False)
     copy_pass = not inplace and plan.rotary_dim < D
-    return launch.launch_geometry(plan, access, pairs, copy_pass, num_regs=61, plain=plain), plan
+    return launch.launch_geometry(plan, access, pairs, copy_pass, num_regs=61, plain=plain,
+                                  memory_bandwidth=memory_bandwidth), plan
 
 
 @pytest.mark.parametrize("T", [1, 7, 32, 512, 4096, 16384, 65536, 1 << 20])
@@ -92,6 +93,49 @@ def test_in_place_uneven_lanes_without_whole_warps(monkeypatch):
     ((lanes, block_y, _), (_, grid_y)), _ = _geometry(
         65536, D=80, hk=4, dtype="float16", inplace=True, plain=True)
     assert (lanes, block_y, grid_y) == (8, 18, 1)
+
+
+H200, H100 = 4.8e12, 3.35e12  # memory bandwidth, bytes per second
+
+
+@pytest.mark.parametrize("hq,hk", [(32, 4), (32, 8), (32, 32), (16, 16), (64, 8)])
+def test_in_place_odd_lanes_on_fast_memory_take_unpadded_lanes_in_whole_warps(hq, hk):
+    """On FAST_MEMORY, 5 lanes a head in place take blocks of 5 x 32 (five whole warps), one
+    token a block and every head by the kernel's loop over head lanes (one block row a head
+    lane: 36 heads in two rounds); the H100's memory and fewer tokens keep the padded launch, and
+    so do out of place and partial rotation."""
+    T, uneven = 65536, dict(D=80, hq=hq, hk=hk, dtype="float16", plain=True)
+    ((lanes, block_y, tokens), (grid_x, grid_y)), _ = _geometry(
+        T, inplace=True, memory_bandwidth=H200, **uneven)
+    assert (lanes, block_y, tokens) == (5, launch.UNEVEN_ODD_LANES_HEAD_LANES, 1)
+    assert (grid_x, grid_y) == (T, 1) and lanes * block_y <= launch.THREADS_PER_BLOCK
+    assert _geometry(T, inplace=True, memory_bandwidth=H100, **uneven)[0] == _geometry(
+        T, inplace=True, **uneven)[0]
+    assert _geometry(T, inplace=True, **uneven)[0][0][0] == 8
+    assert _geometry(T, memory_bandwidth=H200, **uneven)[0] == _geometry(T, **uneven)[0]
+    few = launch.UNEVEN_LANES_FAST_MEMORY_MIN_TOKENS - 1
+    assert _geometry(few, inplace=True, memory_bandwidth=H200, **uneven)[0][0][0] == 8
+    ((lanes, _, _), _), _ = _geometry(T, D=128, hq=hq, hk=hk, rotary_dim=80, dtype="float16",
+                                      inplace=True, plain=True, memory_bandwidth=H200)
+    assert lanes == 8  # partial rotation: not measured, the padded launch
+
+
+@pytest.mark.parametrize("D,hq,hk,block", [
+    (80, 4, 1, (5, 5, 5)), (80, 8, 1, (5, 9, 2)), (80, 8, 2, (5, 10, 2)), (80, 16, 2, (5, 18, 1)),
+    (80, 16, 8, (5, 24, 1)), (96, 4, 1, (6, 5, 4)), (96, 8, 1, (6, 9, 2)),
+    (96, 8, 4, None), (96, 16, 8, None), (96, 32, 8, None)])
+def test_in_place_uneven_lanes_of_few_heads_on_fast_memory(D, hq, hk, block):
+    """On FAST_MEMORY, fewer heads than a block's 32 rows (tensor-parallel shards) take every head
+    a block row and whole tokens, ~128 threads a block; 6 lanes only while a token's heads take at
+    most 64 lanes, then (None) the padded launch, as for 6 lanes and many heads."""
+    T, shape = 65536, dict(D=D, hq=hq, hk=hk, dtype="float16", inplace=True, plain=True)
+    (got, (grid_x, grid_y)), _ = _geometry(T, memory_bandwidth=H200, **shape)
+    if block is None:
+        assert (got, (grid_x, grid_y)) == _geometry(T, **shape)[0] and got[0] == 8
+        return
+    assert got == block and grid_y == 1 and grid_x * block[2] >= T > (grid_x - 1) * block[2]
+    assert got[1] == hq + hk and got[0] * got[1] * got[2] <= launch.THREADS_PER_BLOCK
+    assert _geometry(T, **shape)[0][0][0] == 8  # unknown memory: the padded launch
 
 
 def test_offsets_past_the_int32_headroom_take_the_64_bit_kernels():

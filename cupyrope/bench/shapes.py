@@ -49,6 +49,21 @@ def head_shapes(head_dims: Sequence[int] = HEAD_DIMS,
     return shapes
 
 
+# Tensor-parallel shards of served models' heads, q / k heads a GPU: a GQA-8 model of 64 / 8 heads
+# over 8 GPUs, one of 32 / 8 over 4 and over 8. Few heads a token: the launch's other regime.
+SHARD_HEADS = ((8, 1), (8, 2), (4, 1))
+SHARD_HEAD_DIMS = (80, 96, 128)
+
+
+def shard_shapes(head_dims: Sequence[int] = SHARD_HEAD_DIMS,
+                 heads: Sequence[tuple[int, int]] = SHARD_HEADS) -> list[RopeShape]:
+    """bf16 q ``[T, Hq, D]``, k ``[T, Hk, D]`` of :data:`SHARD_HEADS`, fp32 cache, NeoX, T from
+    :func:`bandwidth_tokens`."""
+    return [RopeShape(tokens=bandwidth_tokens(hq, hk, head_dim), num_q_heads=hq, num_k_heads=hk,
+                      head_dim=head_dim)
+            for head_dim in head_dims for hq, hk in heads]
+
+
 @dataclasses.dataclass(frozen=True)
 class ShapeRow:
     """One apply_rope measurement of a head shape: GPU time per eager call, GB/s, % of SM copy."""
@@ -70,7 +85,7 @@ def shapes_sweep(shapes: Sequence[RopeShape] | None = None, *, impls: Sequence[s
     torch.compile of the Hugging Face formulation and Liger (where installed); inputs rotate so
     that every call reads DRAM."""
     torch = require_cuda()
-    shapes = list(head_shapes() if shapes is None else shapes)
+    shapes = list(head_shapes() + shard_shapes() if shapes is None else shapes)
     order = ("copy",) + tuple(i for i in impls if i != "copy")
     rows: list[ShapeRow] = []
     with Progress(len(shapes) * len(order), enabled=progress) as bar:
@@ -123,8 +138,9 @@ def format_shapes_table(rows: Sequence[ShapeRow], gpu_name: str) -> str:
                         "-" if inplace is None else f"{inplace:.1f}",
                         _ratio(times, case, "torch-compile-hf", ours),
                         _ratio(times, case, "liger-inplace", ours)])
-    header = (f"apply_rope over head shapes (bf16 q [T,32,D], k [T,32/GQA,D], fp32 cache, NeoX; "
-              f"T = 65536 or less for at most 1 GiB of traffic) on {gpu_name}")
+    header = (f"apply_rope over head shapes (bf16 q [T,32,D], k [T,32/GQA,D], and tensor-parallel "
+              f"shards of q / k 8/1, 8/2, 4/1 heads; fp32 cache, NeoX; T = 65536 or less for at "
+              f"most 1 GiB of traffic) on {gpu_name}")
     return "\n".join([
         header, "",
         tabulate(summary, headers=["D", "Hq/Hk", "T", "% of SM copy", "in place: % of SM copy",

@@ -447,12 +447,13 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
         return LaunchSpec(dataclasses.replace(spec, decode=True), decode_struct(p, plan.source),
                           grid, block, shared_bytes, pointers, sin_offset, vector)
     block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec), multiprocessors,
-                                  plain=True)
+                                  plain=True, memory_bandwidth=memory_bandwidth)
     shared_bytes = shared_angle_bytes(plan, spec, block)
     if shared_bytes > MAX_SHARED_ANGLE_BYTES:  # never at the usual head sizes; general kernel
         spec = dataclasses.replace(spec, lean=False)
         block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec),
-                                      multiprocessors, plain=True)
+                                      multiprocessors, plain=True,
+                                      memory_bandwidth=memory_bandwidth)
         shared_bytes = 0
     return LaunchSpec(spec, p, grid, block, shared_bytes, pointers, sin_offset, vector)
 
@@ -543,6 +544,27 @@ UNEVEN_LANES_MAX_HEADS = 2
 # %, D = 96 83.6 -> 86.4 (40 or 64 heads already fill whole warps). measured:
 # docs/perf_log.md#uneven_lanes_whole_warps
 UNEVEN_LANES_WHOLE_WARPS = True
+# On FAST_MEMORY, from UNEVEN_LANES_FAST_MEMORY_MIN_TOKENS, in-place heads of uneven lanes take
+# their lanes unpadded, full rotation only (the launches measured):
+# - a token's heads fewer than UNEVEN_ODD_LANES_HEAD_LANES (tensor-parallel shards: q 8 / k 1):
+#   every head a block row and whole tokens, ~UNEVEN_FEW_HEADS_THREADS threads a block. The padded
+#   launch rounded their few head lanes up to whole warps and left most of its second round idle
+#   (9 heads in rows of 8, 8 then 1). For 6 lanes (head_dim 96) only where a token's heads take at
+#   most UNEVEN_EVEN_LANES_FEW_HEADS_MAX_LANES lanes: from 12 heads the padded launch measured
+#   faster;
+# - odd lanes (5: head_dim 80) with more heads: blocks of 5 x 32 (five whole warps, no idle lane,
+#   a head step of whole 128-byte lines), the heads past 32 by the kernel's loop over head lanes.
+# H200, T = 65536, two rounds, % of an SM copy in place, padded -> this: D = 80, q / k heads 4 / 1
+# 56.5 -> 77.5, 8 / 1 59.8 -> 79.8, 8 / 2 63.4 -> 75.5, 8 / 4 74.5 -> 81.5, 16 / 2 69.9 -> 81.4,
+# 16 / 4 76.7 -> 77.4, 16 / 8 79.7 -> 83.3, 32 / 4 80.0 -> 83.3, 32 / 32 (T = 32768) 82.7 ->
+# 88.0; D = 96 4 / 1 61.2 -> 78.4, 8 / 1 65.0 -> 77.4 (8 / 4: 79.2 padded against 75.8, 16 / 8 85.1
+# against 81.7). At 4096 tokens 5 x 32 measured 1.2 points under the padded launch. The H100
+# keeps the launch measured there. measured: docs/perf_log.md#uneven_lanes_fast_memory
+UNEVEN_LANES_FAST_MEMORY_MIN_TOKENS = 16384
+UNEVEN_ODD_LANES_HEAD_LANES = 32
+UNEVEN_FEW_HEADS_THREADS = 128
+UNEVEN_EVEN_LANES_FEW_HEADS_MAX_LANES = 64
+UNEVEN_LANES_FAST_MEMORY_MIN_TOKENS = 16384
 
 
 @functools.lru_cache(maxsize=None)
@@ -585,7 +607,8 @@ def _resident_blocks(threads: int, num_regs: int) -> int:
 def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, num_regs: int,
                     multiprocessors: int | None = None, *, extra_heads: int = 0,
                     power_of_two_lanes: bool = False, plain: bool = False,
-                    pass_lanes: int = 0, throughput_by_work=_THROUGHPUT_BY_WORK):
+                    pass_lanes: int = 0, throughput_by_work=_THROUGHPUT_BY_WORK,
+                    memory_bandwidth: float = 0.0):
     """(block, grid) for a plan.
 
     x: lanes over the chunks of pairs of a head (out of place, the same lanes then copy the
@@ -599,7 +622,8 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     ``plain``: the rope kernels' launch (not the fused or re-rotation kernels'), where in place
     heads whose chunks are not a power-of-two number of lanes (head_dim 80, 96: 5, 6 lanes) take
     lanes rounded up to a power of two and at most UNEVEN_LANES_MAX_HEADS heads a thread, so that
-    no warp holds part of a head whose other part another warp rewrites, in blocks of whole warps.
+    no warp holds part of a head whose other part another warp rewrites, in blocks of whole warps
+    (on FAST_MEMORY with many tokens: unpadded, see ``memory_bandwidth``).
 
     ``pass_lanes``: the lean fused kernel's lanes of the dims past rotary_dim, after the
     rotated chunks' (:func:`lean_pass_lanes`); the other kernels spread those dims over the
@@ -607,6 +631,10 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
 
     ``throughput_by_work``: the curve of the kernel's throughput against a thread's work
     (_THROUGHPUT_BY_WORK; the fp8 NeoX re-rotation has its own).
+
+    ``memory_bandwidth``: the device's, bytes per second (0: unknown); on FAST_MEMORY plain
+    in-place launches of uneven lanes and many tokens take their lanes unpadded (the rules beside
+    UNEVEN_LANES_FAST_MEMORY_MIN_TOKENS).
     """
     chunks = (plan.rotary_dim // 2) // pairs
     pass_chunks = (plan.head_dim - plan.rotary_dim) // access if copy_pass else 0
@@ -614,6 +642,17 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
         chunks, pass_chunks = chunks + pass_lanes, 0
     # Without rotation (rotary_dim 0: write_cache) the lanes split the copied chunks instead.
     lanes = max(1, min(chunks or pass_chunks, 32))
+    num_heads = max(1, plan.num_q_heads + plan.num_k_heads + extra_heads)
+    if (plain and plan.inplace and lanes & (lanes - 1) and plan.rotary_dim == plan.head_dim
+            and memory_bandwidth >= FAST_MEMORY
+            and plan.num_tokens >= UNEVEN_LANES_FAST_MEMORY_MIN_TOKENS):
+        if (num_heads < UNEVEN_ODD_LANES_HEAD_LANES and lanes * num_heads <= THREADS_PER_BLOCK
+                and (lanes % 2 or lanes * num_heads <= UNEVEN_EVEN_LANES_FEW_HEADS_MAX_LANES)):
+            tokens = max(1, UNEVEN_FEW_HEADS_THREADS // (lanes * num_heads))
+            return ((lanes, num_heads, tokens), (min(-(-plan.num_tokens // tokens), MAX_GRID_X), 1))
+        if (lanes % 2 and num_heads >= UNEVEN_ODD_LANES_HEAD_LANES
+                and lanes * UNEVEN_ODD_LANES_HEAD_LANES <= THREADS_PER_BLOCK):
+            return ((lanes, UNEVEN_ODD_LANES_HEAD_LANES, 1), (min(plan.num_tokens, MAX_GRID_X), 1))
     candidates = HEADS_PER_THREAD
     whole_warps = False
     if plain and plan.inplace and lanes & (lanes - 1):
@@ -625,7 +664,6 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     # 16-byte accesses per head and thread: both halves (NeoX) or one (interleaved), plus a share
     # of the copied dims (a copy is a load and a store, like a rotated access).
     accesses_per_head = (1 if plan.interleaved else 2) * -(-chunks // lanes) + pass_chunks / lanes
-    num_heads = max(1, plan.num_q_heads + plan.num_k_heads + extra_heads)
     if multiprocessors is None:
         multiprocessors = _multiprocessors(plan.device)
     best = None
