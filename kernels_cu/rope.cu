@@ -149,6 +149,14 @@ __device__ __forceinline__ void rope_tokens_shared_angles(const RopeParams& p) {
   const Index rank = static_cast<Index>(tid_y()) * ntid_x() + tid_x();
   const Index threads_per_token = static_cast<Index>(ntid_y()) * ntid_x();
   const C factor = static_cast<C>(p.attention_factor);
+  // NeoX in place: a thread's chunks of the token go to L2 while the token's angles are computed
+  // (the loads after the barrier then hit L2). H200, bf16 q [T, 32, 128] k [T, 8, 128], % of an
+  // SM copy at T = 4096 / 16384 / 65536, in place 87.8 / 92.2 / 95.5 -> 90.3 / 93.3 / 97.1. Out
+  // of place the hint measured slower (86.1 / 92.9 / 96.2 -> 85.9 / 90.2 / 92.6); with GPT-J
+  // pairs the code of the in-place branch alone slowed out of place (82.7 / 88.8 / 92.2 -> 79.6 /
+  // 84.1 / 87.3, in place 81.9 / 87.8 / 91.3 -> 89.1 / 92.3 / 96.7): NeoX only.
+  // measured: docs/perf_log.md#computed-angles-in-place-heads-into-l2-while-the-angles-are-computed
+  const bool prefetch = !INTERLEAVED && p.q_out == p.q;
   // The loop runs the same number of times in every thread of the block: __syncthreads inside.
   for (Index base = static_cast<Index>(blockIdx.x) * ntid_z(); base < num_tokens;
        base += token_step) {
@@ -156,6 +164,9 @@ __device__ __forceinline__ void rope_tokens_shared_angles(const RopeParams& p) {
     const bool active = token < num_tokens;
     const TokenOffsets<Index> o = lean_token_offsets(p, active ? token : Index(0));
     if (active) {
+      if (prefetch) {
+        prefetch_heads<T, P, INTERLEAVED>(p, o, first_head, head_step, num_heads, num_chunks, half);
+      }
       const long long position = load_position(p, o.positions);
       token_angles_to_shared(p, position, half, rank, threads_per_token, factor, sin_sign,
                              token_cos, token_sin);

@@ -173,6 +173,25 @@ __device__ __forceinline__ void rotate_heads(const RopeParams& p, const TokenOff
   }
 }
 
+// Bring this lane's chunks of every head it visits into L2 (a hint: no registers, no wait).
+template <typename T, int P, bool INTERLEAVED, typename Index>
+__device__ __forceinline__ void prefetch_heads(const RopeParams& p, const TokenOffsets<Index>& o,
+                                               Index first_head, Index head_step,
+                                               Index num_heads, Index num_chunks, Index half) {
+  for (Index lane = tid_x(); lane < num_chunks; lane += ntid_x()) {
+    const Index pair0 = lane * P;
+    for (Index head = first_head; head < num_heads; head += head_step) {
+      const T* in = head_rows<T, Index>(p, o, head).in;
+      if constexpr (INTERLEAVED) {
+        prefetch_l2(in + 2 * pair0);
+      } else {
+        prefetch_l2(in + pair0);
+        prefetch_l2(in + half + pair0);
+      }
+    }
+  }
+}
+
 // Copy this lane's share of the dims past rotary_dim (out of place only). No cos/sin are live
 // here, so the loop is unrolled to keep several heads' loads in flight.
 template <typename T, int ACCESS, bool VECTOR, typename Index>
