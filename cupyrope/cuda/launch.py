@@ -642,8 +642,8 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
     # Without rotation (rotary_dim 0: write_cache) the lanes split the copied chunks instead.
     lanes = max(1, min(chunks or pass_chunks, 32))
     num_heads = max(1, plan.num_q_heads + plan.num_k_heads + extra_heads)
-    if (plain and plan.inplace and lanes & (lanes - 1) and plan.rotary_dim == plan.head_dim
-            and memory_bandwidth >= FAST_MEMORY
+    uneven_in_place = plain and plan.inplace and lanes & (lanes - 1)
+    if (uneven_in_place and plan.rotary_dim == plan.head_dim and memory_bandwidth >= FAST_MEMORY
             and plan.num_tokens >= UNEVEN_LANES_FAST_MEMORY_MIN_TOKENS):
         if (num_heads < UNEVEN_ODD_LANES_HEAD_LANES and lanes * num_heads <= THREADS_PER_BLOCK
                 and (lanes % 2 or lanes * num_heads <= UNEVEN_EVEN_LANES_FEW_HEADS_MAX_LANES)):
@@ -654,7 +654,7 @@ def launch_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool, nu
             return ((lanes, UNEVEN_ODD_LANES_HEAD_LANES, 1), (min(plan.num_tokens, MAX_GRID_X), 1))
     candidates = HEADS_PER_THREAD
     whole_warps = False
-    if plain and plan.inplace and lanes & (lanes - 1):
+    if uneven_in_place:
         candidates = tuple(h for h in HEADS_PER_THREAD if h <= UNEVEN_LANES_MAX_HEADS)
         power_of_two_lanes = True
         whole_warps = UNEVEN_LANES_WHOLE_WARPS
