@@ -423,17 +423,32 @@ struct SlotRows {
   long long k_base, v_base;  // < 0: no cache write for this token
 };
 
+// `narrow`: a 32-bit division where the slots fit (a single thread works out every token's
+// rows in the staged kernel; a 64-bit division is a call of ~70 instructions).
 template <typename F>  // FusionParams, or FusedDecodeParams (fused_decode.cuh)
+__device__ __forceinline__ SlotRows rows_of_slot(const F& f, long long slot, bool narrow = false) {
+  // Negative (padding) or past the cache: skipped (documented; validate=True raises instead).
+  if (slot < 0 || slot >= f.num_slots) return {-1, -1};
+  long long block, row;
+  if (narrow && f.num_slots <= 0x7fffffffLL) {
+    const int slot32 = static_cast<int>(slot), size = static_cast<int>(f.block_size);
+    block = slot32 / size;
+    row = slot32 - static_cast<int>(block) * size;
+  } else {
+    block = slot / f.block_size;
+    row = slot - block * f.block_size;
+  }
+  return {block * f.k_cache_block_stride + row * f.k_cache_slot_stride,
+          block * f.v_cache_block_stride + row * f.v_cache_slot_stride};
+}
+
+template <typename F>
 __device__ __forceinline__ SlotRows slot_rows(const F& f, long long token) {
   if (f.k_cache == nullptr) return {-1, -1};
   const long long at = token * f.slot_stride;
   const long long slot = f.slots_are_int64 ? static_cast<const long long*>(f.slot_mapping)[at]
                                            : static_cast<const int*>(f.slot_mapping)[at];
-  // Negative (padding) or past the cache: skipped (documented; validate=True raises instead).
-  if (slot < 0 || slot >= f.num_slots) return {-1, -1};
-  const long long block = slot / f.block_size, row = slot - block * f.block_size;
-  return {block * f.k_cache_block_stride + row * f.k_cache_slot_stride,
-          block * f.v_cache_block_stride + row * f.v_cache_slot_stride};
+  return rows_of_slot(f, slot);
 }
 
 // The rows of a token's slot in the caches' scale arrays (per-row fp8 scales, NVFP4 block

@@ -139,21 +139,30 @@ struct LeanChunk {
     }
   }
 
-  // The chunk's sum of squares, as two sums (first and second elements of the pairs) added at
-  // the end: two dependency chains of P fmas instead of one of 2 P.
   template <int P>
-  __device__ __forceinline__ float sum_of_squares() const {
-    float x1[P], x2[P];
-    pairs(x1, x2);
-    float s1 = 0.0f, s2 = 0.0f;
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
-      s1 = fmaf(x1[i], x1[i], s1);
-      s2 = fmaf(x2[i], x2[i], s2);
-    }
-    return s1 + s2;
-  }
+  __device__ __forceinline__ float sum_of_squares() const;
 };
+
+// The sum of squares of a chunk's pairs, as two sums (first and second elements of the pairs)
+// added at the end: two dependency chains of P fmas instead of one of 2 P.
+template <int P>
+__device__ __forceinline__ float pairs_sum_of_squares(const float (&x1)[P], const float (&x2)[P]) {
+  float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    s1 = fmaf(x1[i], x1[i], s1);
+    s2 = fmaf(x2[i], x2[i], s2);
+  }
+  return s1 + s2;
+}
+
+template <typename T, bool INTERLEAVED>
+template <int P>
+__device__ __forceinline__ float LeanChunk<T, INTERLEAVED>::sum_of_squares() const {
+  float x1[P], x2[P];
+  pairs(x1, x2);
+  return pairs_sum_of_squares(x1, x2);
+}
 
 // w of dims [dim, dim + N) of one norm weight, straight from global memory in 16-byte loads (or
 // one smaller): every head of a kind reads the same few bytes, so after the first head they come
@@ -227,24 +236,28 @@ __device__ __forceinline__ void load_chunk_weights(const F& f, const void* w, in
   }
 }
 
-// One head's chunk: normalised (NORM: x * (rms_scale * (weight_offset + w)), the product as one
-// fma), rotated (sin carries the sign already) and stored to the output row and, for a k head
-// with a cache slot, to its k cache row. `head_weights`: the head's norm weights, loaded here
-// (a pointer: the lean kernel, whose registers do not hold them through the reduction) or
-// already (LaneWeights<P>). `rotate` false: a lane of the dims past rotary_dim (x1 / x2 its
-// two runs of P elements, see rope_fused_lean_tokens), not rotated.
+// One head's chunk, its pairs as float32 (x1 / x2, changed here): normalised (NORM: x *
+// (rms_scale * (weight_offset + w)), the product as one fma), rotated (sin carries the sign
+// already) and stored to the output row and, for a k head with a cache slot, to its k cache row.
+// `head_weights`: the head's norm weights, loaded here (a pointer: the lean kernel, whose
+// registers do not hold them through the reduction) or already (LaneWeights<P>). `rotate` false:
+// a lane of the dims past rotary_dim (x1 / x2 its two runs of P elements, see
+// rope_fused_lean_tokens), not rotated. INPUT_STORES: the outputs take the input dtype whatever
+// f.out_format says (the staged kernel, whose host admits no fp8 output: no fp8 code then). The
+// staged kernel holds the pairs from the sum of squares to here; the lean kernels hold the
+// chunk's words and convert them again (lean_rotate_store below): fewer registers.
 template <typename T, int P, bool INTERLEAVED, bool NORM, bool CACHE, typename W, typename F,
-          typename Weights>
-__device__ __forceinline__ void lean_rotate_store(const F& f,
-                                                  const LeanChunk<T, INTERLEAVED>& chunk,
-                                                  int pair0, int half, const Weights& head_weights,
-                                                  float weight_offset, float rms_scale,
-                                                  const float (&cos_v)[P], const float (&sin_v)[P],
-                                                  bool is_k, void* out, int out_offset,
-                                                  long long cache_offset, bool rotate = true) {
+          typename Weights, bool INPUT_STORES = false>
+__device__ __forceinline__ void lean_rotate_store_pairs(const F& f, float (&x1)[P], float (&x2)[P],
+                                                        int pair0, int half,
+                                                        const Weights& head_weights,
+                                                        float weight_offset, float rms_scale,
+                                                        const float (&cos_v)[P],
+                                                        const float (&sin_v)[P], bool is_k,
+                                                        void* out, int out_offset,
+                                                        long long cache_offset,
+                                                        bool rotate = true) {
   constexpr int E = INTERLEAVED ? 2 * P : P;  // elements of one 16-byte access
-  float x1[P], x2[P];
-  chunk.pairs(x1, x2);
   if constexpr (NORM && IsSame<Weights, LaneWeights<P>>::value) {
     const float scaled_offset = rms_scale * weight_offset;
 #pragma unroll
@@ -281,6 +294,7 @@ __device__ __forceinline__ void lean_rotate_store(const F& f,
     y1[i] = rotate ? y1[i] : x1[i];
     y2[i] = rotate ? y2[i] : x2[i];
   }
+  const long long out_format = INPUT_STORES ? static_cast<long long>(kStoreInput) : f.out_format;
   if constexpr (INTERLEAVED) {
     float y[E];
 #pragma unroll
@@ -288,15 +302,15 @@ __device__ __forceinline__ void lean_rotate_store(const F& f,
       y[2 * i] = y1[i];
       y[2 * i + 1] = y2[i];
     }
-    lean_store<T>(f, out, out_offset + 2 * pair0, y, f.out_format, is_k);
+    lean_store<T>(f, out, out_offset + 2 * pair0, y, out_format, is_k);
     if constexpr (CACHE) {
       if (cache_offset >= 0) {
         lean_store<T>(f, f.k_cache, cache_offset + 2 * pair0, y, f.cache_format, true);
       }
     }
   } else {
-    lean_store<T>(f, out, out_offset + pair0, y1, f.out_format, is_k);
-    lean_store<T>(f, out, out_offset + half + pair0, y2, f.out_format, is_k);
+    lean_store<T>(f, out, out_offset + pair0, y1, out_format, is_k);
+    lean_store<T>(f, out, out_offset + half + pair0, y2, out_format, is_k);
     if constexpr (CACHE) {
       if (cache_offset >= 0) {
         lean_store<T>(f, f.k_cache, cache_offset + pair0, y1, f.cache_format, true);
@@ -304,6 +318,23 @@ __device__ __forceinline__ void lean_rotate_store(const F& f,
       }
     }
   }
+}
+
+// lean_rotate_store_pairs from a chunk's words.
+template <typename T, int P, bool INTERLEAVED, bool NORM, bool CACHE, typename W, typename F,
+          typename Weights>
+__device__ __forceinline__ void lean_rotate_store(const F& f,
+                                                  const LeanChunk<T, INTERLEAVED>& chunk,
+                                                  int pair0, int half, const Weights& head_weights,
+                                                  float weight_offset, float rms_scale,
+                                                  const float (&cos_v)[P], const float (&sin_v)[P],
+                                                  bool is_k, void* out, int out_offset,
+                                                  long long cache_offset, bool rotate = true) {
+  float x1[P], x2[P];
+  chunk.pairs(x1, x2);
+  lean_rotate_store_pairs<T, P, INTERLEAVED, NORM, CACHE, W>(
+      f, x1, x2, pair0, half, head_weights, weight_offset, rms_scale, cos_v, sin_v, is_k, out,
+      out_offset, cache_offset, rotate);
 }
 
 // v head `vh` of the token into the v cache, as store_v_head, with a lane's chunks loaded two at a

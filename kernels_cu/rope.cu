@@ -16,14 +16,16 @@
 // instructions), rope_kernel for every layout, rope_fused_kernel for the fused ops (fused.cuh)
 // (rope_fused_rows_kernel where stores are quantised per row, rope_fused_all_heads_kernel with
 // the norm over all heads), rope_fused_lean_kernel (rope_fused_lean_all_heads_kernel) for
-// their common layout (fused_lean.cuh) and rope_fused_decode_kernel for that layout at few tokens
-// (fused_decode.cuh).
+// their common layout (fused_lean.cuh), rope_fused_decode_kernel for that layout at few tokens
+// (fused_decode.cuh) and rope_fused_staged_kernel for the norm past them on Hopper GPUs of fast
+// memory (fused_staged.cuh: rows by bulk copies through shared memory).
 #include "angles.cuh"
 #include "decode.cuh"
 #include "dependent_launch.cuh"
 #include "fused.cuh"
 #include "fused_decode.cuh"
 #include "fused_lean.cuh"
+#include "fused_staged.cuh"
 #include "mla.cuh"
 #include "numeric.cuh"
 #include "rerotate.cuh"
@@ -332,6 +334,20 @@ __global__ __launch_bounds__(kMaxThreadsPerBlock,
 void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
   rope_fused_lean<T, TableT, VECTOR, INTERLEAVED, SOURCE, WIDE_INDEX, NORM, CACHE, MROPE,
                   PARTIAL>(p, f);
+}
+
+// QK-RMSNorm + RoPE (CACHE: with the k / v cache write) with a token's rows moved by bulk copies
+// through shared-memory stages (fused_staged.cuh), on Hopper GPUs of fast memory
+// (launch.fused_staged_applies; lean layout, table angles, full rotation, stores of the input
+// dtype). Built for an architecture without bulk copies it traps: no launch picks it there.
+template <typename T, typename TableT, bool INTERLEAVED, bool NORM, bool CACHE>
+__global__ __launch_bounds__(kStagedMaxThreads, kStagedMinBlocksPerSM)
+void rope_fused_staged_kernel(const RopeParams p, const FusionParams f) {
+#if CUPYROPE_BULK_COPY
+  rope_fused_staged_tokens<T, TableT, INTERLEAVED, NORM, CACHE>(p, f);
+#else
+  __trap();
+#endif
 }
 
 // The fused ops in the lean layout at few tokens (decided on the host:

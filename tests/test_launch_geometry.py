@@ -264,22 +264,25 @@ def test_computed_decode_only_where_it_pays():
 
 
 def _fused_launch(op, T, D=128, hq=32, hk=8, dtype=np.float32, positions=None,
-                  weight_dtype=None, memory_bandwidth=0.0, **rope):
+                  weight_dtype=None, memory_bandwidth=0.0, compute_capability=0, layout="NHD",
+                  q=None, **rope):
     """plan_launch of a fused call on NumPy arrays (host addresses stand in for device ones):
     ``op`` "norm", "cache", "norm+cache" or "fp8" (fp8 outputs); norm weights of
     ``weight_dtype`` (default q's), on a device of ``memory_bandwidth`` bytes per second."""
     from cupyrope.core.arrays import describe
     from cupyrope.core.fused_plan import plan_fused
 
-    q, k = np.zeros((T, hq, D), dtype), np.zeros((T, hk, D), dtype)
+    q = np.zeros((T, hq, D), dtype) if q is None else q
+    k = np.zeros((T, hk, D), dtype)
     fusion = {}
     if "norm" in op:
         w_dtype = dtype if weight_dtype is None else weight_dtype
         fusion.update(norm=True, q_weight=np.ones(D, w_dtype), k_weight=np.ones(D, w_dtype),
                       eps=1e-6)
     if "cache" in op:
-        fusion.update(v=np.zeros((T, hk, D), dtype), k_cache=np.zeros((64, 16, hk, D), dtype),
-                      v_cache=np.zeros((64, 16, hk, D), dtype), slot_mapping=np.arange(T))
+        shape = (64, 16, hk, D) if layout == "NHD" else (64, hk, 16, D)
+        fusion.update(v=np.zeros((T, hk, D), dtype), k_cache=np.zeros(shape, dtype),
+                      v_cache=np.zeros(shape, dtype), slot_mapping=np.arange(T), layout=layout)
     if op == "fp8":
         fusion.update(out_dtype="float8_e4m3fn")
     rope = rope or dict(cos_sin_cache=np.zeros((4096, D), np.float32))
@@ -289,7 +292,74 @@ def _fused_launch(op, T, D=128, hq=32, hk=8, dtype=np.float32, positions=None,
     outputs = [describe(np.zeros(q.shape, dtype), "q_out"), describe(np.zeros(k.shape, dtype),
                                                                      "k_out")]
     return launch.plan_launch(plan, outputs, num_regs=lambda spec: 64, multiprocessors=132,
-                              angle_arithmetic="float64", memory_bandwidth=memory_bandwidth), plan
+                              angle_arithmetic="float64", memory_bandwidth=memory_bandwidth,
+                              compute_capability=compute_capability), plan
+
+
+@pytest.mark.parametrize("op", ["norm", "norm+cache"])
+def test_staged_kernel_takes_the_norm_past_decode_on_fast_hopper_memory(op):
+    """On a Hopper GPU of fast memory (the H200) the norm's launches past the fused decode
+    kernel run the staged kernel (rows by bulk copies through shared memory): with the cache
+    write up to STAGED_CACHE_MAX_TOKENS, the norm alone up to STAGED_NORM_MAX_TOKENS. Every other
+    device, layout or store keeps the lean fused kernel, and each staged launch is a
+    specialisation the CPU suite compiles."""
+    from cupyrope.cuda import compiler
+
+    bf16 = ml_dtypes.bfloat16
+    hopper = dict(memory_bandwidth=launch.FAST_MEMORY, compute_capability=90, dtype=bf16)
+    first = launch.FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS + 1
+    last = launch.STAGED_NORM_MAX_TOKENS if op == "norm" else launch.STAGED_CACHE_MAX_TOKENS
+    for T in (first, last):
+        spec, plan = _fused_launch(op, T, **hopper)
+        assert spec.kernel.staged and spec.kernel.norm, (op, T, spec.kernel)
+        assert spec.kernel.cache == ("cache" in op)
+        assert spec.kernel in compiler.ALL_SPECIALISATIONS
+        assert "rope_fused_staged_kernel" in spec.kernel.name_expression
+        assert spec.shared_bytes == launch.staged_shared_bytes(plan)
+    decode, _ = _fused_launch(op, first - 1, **hopper)
+    assert decode.kernel.decode and not decode.kernel.staged
+    past, _ = _fused_launch(op, last + 1, **hopper)
+    assert past.kernel.lean and not past.kernel.staged
+    hnd, _ = _fused_launch(op, first, layout="HND", **hopper)
+    assert hnd.kernel.staged
+    padded = np.zeros((first, 32, 136), bf16)[..., :128]  # heads 136 apart: no one-row copy
+    refused = [
+        dict(hopper, compute_capability=80), dict(hopper, compute_capability=100),
+        dict(hopper, compute_capability=0), dict(hopper, memory_bandwidth=launch.FAST_MEMORY / 2),
+        dict(hopper, dtype=np.float32), dict(hopper, weight_dtype=np.float32),
+        dict(hopper, theta=10000.0),  # computed angles
+        dict(hopper, cos_sin_cache=np.zeros((4096, 64), np.float32)),  # a partial rotation
+        dict(hopper, q=padded),
+    ]
+    for kwargs in refused:
+        spec, _ = _fused_launch(op, first, **kwargs)
+        assert not spec.kernel.staged, kwargs
+
+
+def test_staged_geometry_is_whole_warps_and_a_persistent_grid():
+    """A staged block: lanes a head (a power of two), thread rows in whole warps for the rotated
+    heads up to STAGED_MAX_THREADS - 32 threads, then the producer warp's rows; a grid of the
+    blocks that registers and the stages' shared memory leave resident (4 of 192 threads with 4
+    stages of 12.8 KB: the reference shape), at most one a token."""
+    bf16 = ml_dtypes.bfloat16
+    hopper = dict(memory_bandwidth=launch.FAST_MEMORY, compute_capability=90, dtype=bf16)
+    spec, plan = _fused_launch("norm+cache", launch.STAGED_CACHE_MAX_TOKENS, **hopper)
+    assert spec.block == (8, 24, 1) and spec.grid == (4 * 132, 1)
+    assert launch.staged_stage_bytes(plan) == 48 * 128 * 2 + 2 * 64 * 4 + 128  # whole lines
+    for D, hq, hk in ((64, 40, 8), (128, 5, 3), (256, 12, 4), (128, 8, 1)):
+        for T in (2049, 3001, launch.STAGED_NORM_MAX_TOKENS):
+            spec, plan = _fused_launch("norm", T, D=D, hq=hq,
+                                       hk=hk, cos_sin_cache=np.zeros((4096, D), np.float32),
+                                       **hopper)
+            assert spec.kernel.staged
+            lanes, rows, depth = spec.block
+            chunks = D // 2 // 8
+            assert lanes == 1 << (chunks - 1).bit_length() and depth == 1
+            assert lanes * rows <= launch.STAGED_MAX_THREADS and (lanes * rows) % 32 == 0
+            consumers = rows - 32 // lanes
+            assert consumers > 0 and (lanes * consumers) % 32 == 0
+            assert consumers >= min(hq + hk, (launch.STAGED_MAX_THREADS - 32) // lanes) - 32 // lanes
+            assert spec.grid[0] <= plan.num_tokens and spec.grid[1] == 1
 
 
 @pytest.mark.parametrize("op", ["norm", "cache", "norm+cache", "fp8"])

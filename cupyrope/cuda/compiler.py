@@ -61,10 +61,18 @@ class KernelSpec:
     # rope_fused_lean_all_heads_kernel: the heads a thread row holds in registers
     # (launch.lean_all_heads_held; 0 for every other kernel)
     held: int = 0
+    # rope_fused_staged_kernel (fused_staged.cuh): the norm (with or without the cache write),
+    # rows by bulk copies through shared memory; Hopper GPUs of fast memory
+    # (launch.fused_staged_applies)
+    staged: bool = False
 
     @property
     def name_expression(self) -> str:
         """The instantiation, which is also this specialisation's key in the compiled module."""
+        if self.staged:
+            return (f"cupyrope::rope_fused_staged_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
+                    f"{CUDA_TYPE_NAMES[self.table_dtype]}, {str(self.interleaved).lower()}, "
+                    f"{str(self.norm).lower()}, {str(self.cache).lower()}>")
         if self.fused and self.lean and self.all_heads:
             return (f"cupyrope::rope_fused_lean_all_heads_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
                     f"{CUDA_TYPE_NAMES[self.table_dtype]}, true, "
@@ -147,7 +155,12 @@ def _fused_specialisations() -> tuple[KernelSpec, ...]:
     # The fused decode kernels: the lean fused layouts without M-RoPE, few tokens
     # (launch.fused_decode_applies).
     decode = [dataclasses.replace(spec, decode=True) for spec in lean]
-    return tuple(specs + lean + mrope + partial + rows + all_heads + decode)
+    # The staged kernels: the lean layouts of 16-bit q / k from a cos_sin_cache with the norm, with
+    # and without the cache write (launch.fused_staged_applies).
+    staged = [dataclasses.replace(spec, staged=True) for spec in lean
+              if spec.norm and spec.dtype != "float32"
+              and spec.source == AngleSource.CACHE_TABLE]
+    return tuple(specs + lean + mrope + partial + rows + all_heads + decode + staged)
 
 
 FUSED_SPECIALISATIONS: tuple[KernelSpec, ...] = _fused_specialisations()

@@ -289,7 +289,8 @@ class LaunchSpec:
 
 def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int = 0,
                 num_regs: Callable[[KernelSpec], int], multiprocessors: int,
-                angle_arithmetic: str | None = None, memory_bandwidth: float = 0.0) -> LaunchSpec:
+                angle_arithmetic: str | None = None, memory_bandwidth: float = 0.0,
+                compute_capability: int = 0) -> LaunchSpec:
     """The launch that rotates q (and k) of ``plan`` into ``outputs``.
 
     ``inv_freq_ptr`` is the device copy of ``plan.inv_freq`` (computed angles), ``num_regs`` gives
@@ -297,7 +298,8 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
     is the device's SM count and ``angle_arithmetic`` the device's computed-angle arithmetic
     (``cupyrope.cuda.compiler.angle_arithmetic``; None: unknown, computed angles stay on the lean
     kernel), ``memory_bandwidth`` the device's in bytes per second (:func:`lean_all_heads_held`;
-    0: unknown).
+    0: unknown) and ``compute_capability`` its major and minor digits, e.g. 90
+    (:func:`fused_staged_applies`; 0: unknown, no staged launch).
     """
     if plan.fusion is not None:
         check_dense_heads(plan)  # the fused kernels read and write whole, dense heads
@@ -415,6 +417,15 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
             return LaunchSpec(dataclasses.replace(spec, decode=True),
                               decode_struct(p, plan.source), grid, block, shared_bytes, pointers,
                               sin_offset, vector, fused_decode_struct(fusion_params))
+        if lean and fused_staged_applies(plan, outputs, pairs=pairs,
+                                         memory_bandwidth=memory_bandwidth,
+                                         compute_capability=compute_capability):
+            staged = dataclasses.replace(spec, staged=True)
+            shared_bytes = staged_shared_bytes(plan)
+            block, grid = staged_geometry(plan, pairs, num_regs(staged), multiprocessors,
+                                          shared_bytes)
+            return LaunchSpec(staged, p, grid, block, shared_bytes, pointers, sin_offset, vector,
+                              fusion_params)
         fusion_params["ring"] = ring
         extra_heads = plan.num_k_heads if fusion.writes_cache else 0
         if fusion.all_heads:
@@ -481,6 +492,7 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
                        num_regs=lambda kernel_spec: compiled(kernel_spec).num_regs,
                        multiprocessors=_multiprocessors(device),
                        memory_bandwidth=_memory_bandwidth(device),
+                       compute_capability=_compute_capability(device),
                        angle_arithmetic=(device_angle_arithmetic(device)
                                          if plan.source == AngleSource.COMPUTED else None))
     kernel = compiled(spec.kernel)
@@ -914,6 +926,103 @@ def fused_v_heads(fusion) -> int:
     return fusion.v.shape[1] if fusion.writes_cache else 0
 
 
+# The staged fused kernel (kernels_cu/fused_staged.cuh): the norm's launches past the fused decode
+# kernel on Hopper GPUs of fast memory, each block's token rows moved by bulk copies through
+# STAGED_STAGES shared-memory stages (kStagedStages) by a producer warp, the heads normalised and
+# rotated there by up to STAGED_MAX_THREADS - 32 consumer threads (kStagedMaxThreads). H200,
+# bf16 q [T, 32, 128], k and v [T, 8, 128], % of an SM copy, lean -> staged, two rounds each:
+# norm + rope + cache T = 4096 / 8192 / 16384 / 65536 82.5-82.9 / 84.8-84.9 / 86.8 / 88.9-89.2 ->
+# 86.6-86.8 / 85.0-85.6 / 87.9-88.5 / 88.6-88.8; rms_norm_rope T = 4096 / 8192 83.9-84.0 /
+# 86.7-86.9 -> 85.6-85.8 / 85.8-86.3. So the cache write with the norm takes it up to
+# STAGED_CACHE_MAX_TOKENS, the norm alone up to STAGED_NORM_MAX_TOKENS. The H100 (slower memory)
+# keeps the lean kernel: unmeasured there.
+# measured: docs/perf_log.md#the-staged-fused-kernel-h200-2026-11-29-fifth
+STAGED_STAGES = 4
+STAGED_MAX_THREADS = 192
+STAGED_NORM_MAX_TOKENS = 4096
+STAGED_CACHE_MAX_TOKENS = 16384
+# A stage of at most this many bytes (the reference shape's: 12.8 KB), so that the stages of at
+# least two blocks fit an SM's shared memory.
+STAGED_MAX_STAGE_BYTES = 24 * 1024
+HOPPER_SM_SHARED_BYTES = 228 * 1024  # an SM's shared memory on sm_90 ...
+BLOCK_SHARED_RESERVED_BYTES = 1024  # ... of which the driver keeps this much a resident block
+
+
+def staged_stage_bytes(plan: RopePlan) -> int:
+    """Bytes of one stage of the staged kernel (kernels_cu/fused_staged.cuh: StageLayout): a
+    token's q, k and (cache write) v heads, its cos and sin rows, a 16-byte flag word, rounded up
+    to whole 128-byte lines."""
+    fusion = plan.fusion
+    heads = plan.num_q_heads + plan.num_k_heads + (fusion.v.shape[1] if fusion.writes_cache else 0)
+    angles = (plan.rotary_dim // 2) * ITEMSIZE[plan.table.dtype]
+    return -(-(heads * plan.head_dim * ITEMSIZE[plan.q.dtype] + 2 * angles + 16) // 128) * 128
+
+
+def staged_shared_bytes(plan: RopePlan) -> int:
+    """Dynamic shared memory of a staged launch: the stages and their two barriers each."""
+    return STAGED_STAGES * staged_stage_bytes(plan) + STAGED_STAGES * 2 * 8
+
+
+def fused_staged_applies(plan: RopePlan, outputs: list[ArrayInfo], *, pairs: int,
+                         memory_bandwidth: float, compute_capability: int) -> bool:
+    """Whether the staged fused kernel runs a launch that the lean fused kernel would (and the
+    fused decode kernel does not): a Hopper GPU (``compute_capability`` 90-99: bulk copies and
+    the shared memory the stages take) of fast memory, the norm (with the cache write up to
+    STAGED_CACHE_MAX_TOKENS, alone up to STAGED_NORM_MAX_TOKENS), 16-bit q / k, a cos_sin_cache,
+    every dim rotated, no M-RoPE, stores of the input dtype, weights of q's dtype, and every row
+    a bulk copy moves contiguous and a whole number of 16-byte units (the lean layout's 16-byte
+    alignment gives their starts)."""
+    fusion = plan.fusion
+    if not (90 <= compute_capability < 100 and memory_bandwidth >= FAST_MEMORY):
+        return False
+    if not fusion.norm or fusion.q_weight is None or fusion.k_weight is None or plan.k is None:
+        return False
+    most = STAGED_CACHE_MAX_TOKENS if fusion.writes_cache else STAGED_NORM_MAX_TOKENS
+    if plan.num_tokens > most:
+        return False
+    if (plan.q.dtype not in ("float16", "bfloat16") or plan.source != AngleSource.CACHE_TABLE
+            or plan.mrope_mode or plan.rotary_dim != plan.head_dim
+            or fusion.all_heads or fusion.row_scaled):
+        return False
+    if (STORE_FORMATS.get(fusion.out_dtype, StoreFormat.INPUT) != StoreFormat.INPUT
+            or STORE_FORMATS.get(fusion.cache_dtype, StoreFormat.INPUT) != StoreFormat.INPUT):
+        return False
+    if fusion.q_weight.dtype != plan.q.dtype or fusion.k_weight.dtype != plan.q.dtype:
+        return False
+    chunks = (plan.rotary_dim // 2) // pairs
+    if chunks > 32:
+        return False
+    d = plan.head_dim
+    rows = [plan.q, plan.k, *outputs[:2]] + ([fusion.v] if fusion.writes_cache else [])
+    if any(info.strides[-2] != d for info in rows):
+        return False  # heads contiguous: a token's heads are one row
+    table = plan.table
+    table_itemsize = ITEMSIZE[table.dtype]
+    if (plan.cos_col_stride != 1 or plan.sin_col_stride != 1 or table.ptr % 16
+            or (table.strides[0] * table_itemsize) % 16
+            or ((plan.rotary_dim // 2) * table_itemsize) % 16):
+        return False
+    return staged_stage_bytes(plan) <= STAGED_MAX_STAGE_BYTES
+
+
+def staged_geometry(plan: RopePlan, pairs: int, num_regs: int, multiprocessors: int,
+                    shared_bytes: int) -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """(block, grid) of a staged launch: lanes a head (a power of two, for the norm's shuffles),
+    thread rows for the rotated heads up to STAGED_MAX_THREADS - 32 threads (whole warps), then
+    the producer warp's rows; a persistent grid of the blocks that registers and the stages'
+    shared memory leave resident, at most one a token."""
+    chunks = (plan.rotary_dim // 2) // pairs
+    lanes = 1 << (chunks - 1).bit_length()
+    group = 32 // lanes  # thread rows a warp
+    heads = plan.num_q_heads + plan.num_k_heads
+    most = (STAGED_MAX_THREADS - 32) // lanes // group * group
+    rows = min(-(-heads // group) * group, most)
+    block = (lanes, rows + group, 1)
+    by_shared = HOPPER_SM_SHARED_BYTES // (shared_bytes + BLOCK_SHARED_RESERVED_BYTES)
+    resident = max(1, min(_resident_blocks(lanes * (rows + group), num_regs), by_shared))
+    return block, (min(plan.num_tokens, resident * multiprocessors), 1)
+
+
 def fused_decode_struct(f: np.ndarray) -> np.ndarray:
     """The fused decode kernel's FusedDecodeParams from a launch's FusionParams (every field of the
     one is a field of the other; the int32 ones fit, as the lean kernels' offsets do)."""
@@ -1127,6 +1236,7 @@ def check_fp8_support(plan: RopePlan) -> None:
             f"{capability // 10}.{capability % 10}. Store in the input dtype instead")
 
 
+@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
 def _compute_capability(device: int) -> int:
     return int(cupy_module().cuda.Device(device).compute_capability)

@@ -1,0 +1,158 @@
+"""The staged fused kernel (kernels_cu/fused_staged.cuh: rows moved by bulk copies through
+shared-memory stages) against the float64 reference, on a Hopper GPU.
+
+The library takes it for the norm past the fused decode kernel's tokens on Hopper GPUs of fast
+memory (the H200: ``launch.fused_staged_applies``). Here any Hopper GPU runs it: the device is
+made to report the H200's memory bandwidth and the decode kernel's limit is set to no token, so
+that few tokens (one a block, blocks past the tokens) and many (each block's stages reused many
+times) both take it. Every case checks which kernel ran, the outputs against the reference (NaN
+where a position is outside the cache), the cache rows written at the slots given and nothing
+else. The CPU suite covers the choice itself (tests/test_launch_geometry.py) and compiles the
+kernels (tests/test_kernel_compile.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupyrope as cr
+from backends import backend_params, host_values
+from reference import reference_rope
+from tolerances import np_dtype
+from test_fused import _assert_close, _rms_norm64
+
+GPU_BACKENDS = backend_params(["cupy", "torch-cuda"])
+
+
+@pytest.fixture
+def staged(monkeypatch, backend):
+    """The staged kernel for every norm launch of this test, or skip off Hopper GPUs."""
+    from cupyrope.cuda import launch
+
+    import cupy
+
+    major = cupy.cuda.Device().compute_capability[:-1]
+    if major != "9":
+        pytest.skip("the staged fused kernel runs on Hopper GPUs (compute capability 9.x)")
+    monkeypatch.setattr(launch, "_memory_bandwidth", lambda device: 4.8e12)
+    monkeypatch.setattr(launch, "FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS", 0)
+
+
+def _paged(rng, T, Hk, D, dtype, layout, block_size=16):
+    """Zeroed k and v caches (NHD or HND) with a shuffled slot mapping, every 7th token padding
+    and one slot past the cache (both skipped)."""
+    num_blocks = T // block_size + 3
+    slots = (rng.permutation(num_blocks)[:, None] * block_size
+             + np.arange(block_size)).reshape(-1)[:T].copy()
+    slots[::7] = -1
+    if T > 3:
+        slots[3] = num_blocks * block_size + 5
+    shape = ((num_blocks, block_size, Hk, D) if layout == "NHD"
+             else (num_blocks, Hk, block_size, D))
+    return slots, np.zeros(shape, np_dtype(dtype)), np.zeros(shape, np_dtype(dtype))
+
+
+def _slot_rows(cache, layout):
+    """[num_slots, Hk, D] view of a cache's rows in slot order."""
+    c = cache if layout == "NHD" else np.swapaxes(cache, 1, 2)
+    return c.reshape(-1, *c.shape[2:])
+
+
+def _assert_with_nan_rows(got, expected, dtype, what):
+    """Close where the reference is finite, NaN (in every rotated dim) where it is not."""
+    bad = np.isnan(expected).any(axis=-1)
+    assert np.isnan(np.asarray(got, np.float64)[bad]).all(), f"{what}: rows outside the cache"
+    _assert_close(np.asarray(got)[~bad], expected[~bad], dtype, what)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS, indirect=True)
+@pytest.mark.parametrize("T", [1, 37, 4001])
+@pytest.mark.parametrize("dtype,interleaved,table_dtype", [
+    ("bfloat16", False, "float32"), ("float16", False, "float16"),
+    ("bfloat16", True, "bfloat16"), ("float16", True, "float32")])
+@pytest.mark.parametrize("cache,inplace", [(None, False), ("NHD", True), ("HND", False),
+                                           ("NHD", False)])
+def test_staged_kernel_matches_the_reference(backend, rng, staged, planned_launches, T, dtype,
+                                             interleaved, table_dtype, cache, inplace):
+    Hq, Hk, D, max_position = 6, 2, 128, 4096
+    positions = rng.integers(0, max_position, T)
+    if T > 5:
+        positions[5] = max_position + 3  # outside the cache: NaN rows, as every kernel gives
+    table = cr.cos_sin_cache(max_position, D, dtype=table_dtype)
+    q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
+    k = (rng.standard_normal((T, Hk, D)) * 3).astype(np_dtype(dtype))
+    wq = rng.uniform(0.5, 1.5, D).astype(np_dtype(dtype))
+    wk = rng.uniform(0.5, 1.5, D).astype(np_dtype(dtype))
+    weight_offset = 1.0 if interleaved else 0.0
+    qb, kb = backend.put(q), backend.put(k)
+    common = dict(cos_sin_cache=backend.put(table), interleaved=interleaved, eps=1e-6,
+                  weight_offset=weight_offset, inplace=inplace)
+    if cache is None:
+        q_out, k_out = cr.rms_norm_rope(qb, kb, backend.put(wq), backend.put(wk),
+                                        backend.put(positions), **common)
+    else:
+        v = rng.standard_normal((T, Hk, D)).astype(np_dtype(dtype))
+        slots, k_host, v_host = _paged(rng, T, Hk, D, dtype, cache)
+        k_cache, v_cache = backend.put(k_host), backend.put(v_host)
+        q_out, k_out, _, _ = cr.rope_and_cache(
+            qb, kb, backend.put(v), backend.put(positions), k_cache, v_cache,
+            backend.put(slots), layout=cache, q_weight=backend.put(wq), k_weight=backend.put(wk),
+            **common)
+    expected = {}
+    for x, w, out, name in ((q, wq, q_out, "q"), (k, wk, k_out, "k")):
+        expected[name] = reference_rope(_rms_norm64(x, w, 1e-6, weight_offset), positions,
+                                        cos_sin_cache=table, interleaved=interleaved)
+        got = host_values(backend, out)
+        assert got.shape == x.shape
+        _assert_with_nan_rows(got, expected[name], dtype, f"{backend} {name}")
+    if inplace:
+        _assert_with_nan_rows(host_values(backend, qb), expected["q"], dtype, "q in place")
+    if cache is not None:
+        got_k = _slot_rows(host_values(backend, k_cache), cache)
+        got_v = _slot_rows(host_values(backend, v_cache), cache)
+        written = (slots >= 0) & (slots < got_k.shape[0])
+        _assert_with_nan_rows(got_k[slots[written]], expected["k"][written], dtype, "k cache")
+        np.testing.assert_array_equal(got_v[slots[written]], v[written])
+        untouched = np.ones(got_k.shape[0], bool)
+        untouched[slots[written]] = False
+        assert not got_k[untouched].any() and not got_v[untouched].any(), "stray cache write"
+    (spec,) = planned_launches
+    assert spec.kernel.staged and spec.kernel.cache == (cache is not None), spec.kernel
+    assert spec.grid[0] <= T and spec.shared_bytes > 0
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS, indirect=True)
+def test_staged_kernel_on_fused_qkv_views_and_other_heads(backend, rng, staged, planned_launches):
+    """vLLM's layout (q, k, v views of one [T, (Hq + 2 Hk) D] buffer: token rows apart by the
+    whole QKV width), heads of 64 (4 lanes a head, 8 thread rows a warp) and 40 + 8 heads (more
+    than a block's thread rows: each row loops over heads)."""
+    T, max_position = 3001, 8192
+    for Hq, Hk, D in ((40, 8, 64), (12, 4, 256)):
+        planned_launches.clear()
+        table = cr.cos_sin_cache(max_position, D, dtype="float32")
+        positions = rng.integers(0, max_position, T)
+        qkv = (rng.standard_normal((T, (Hq + 2 * Hk) * D)) * 2).astype(np_dtype("bfloat16"))
+        wq = rng.uniform(0.5, 1.5, D).astype(np_dtype("bfloat16"))
+        wk = rng.uniform(0.5, 1.5, D).astype(np_dtype("bfloat16"))
+        buf = backend.put(qkv)
+        q = buf[:, :Hq * D].reshape(T, Hq, D)
+        k = buf[:, Hq * D:(Hq + Hk) * D].reshape(T, Hk, D)
+        v = buf[:, (Hq + Hk) * D:].reshape(T, Hk, D)
+        slots, k_host, v_host = _paged(rng, T, Hk, D, "bfloat16", "NHD")
+        k_cache, v_cache = backend.put(k_host), backend.put(v_host)
+        cr.rope_and_cache(q, k, v, backend.put(positions), k_cache, v_cache, backend.put(slots),
+                          cos_sin_cache=backend.put(table), q_weight=backend.put(wq),
+                          k_weight=backend.put(wk), eps=1e-6)
+        host = host_values(backend, buf)
+        parts = qkv.reshape(T, Hq + 2 * Hk, D)
+        got = host.reshape(T, Hq + 2 * Hk, D)
+        for lo, hi, w, name in ((0, Hq, wq, "q"), (Hq, Hq + Hk, wk, "k")):
+            expected = reference_rope(_rms_norm64(parts[:, lo:hi], w, 1e-6, 0.0), positions,
+                                      cos_sin_cache=table)
+            _assert_close(got[:, lo:hi], expected, "bfloat16", f"{Hq}/{Hk}/{D} {name}")
+        np.testing.assert_array_equal(got[:, Hq + Hk:], parts[:, Hq + Hk:])  # v untouched
+        got_v = _slot_rows(host_values(backend, v_cache), "NHD")
+        written = (slots >= 0) & (slots < got_v.shape[0])
+        np.testing.assert_array_equal(got_v[slots[written]], parts[:, Hq + Hk:][written])
+        (spec,) = planned_launches
+        assert spec.kernel.staged, spec.kernel
