@@ -294,7 +294,6 @@ __device__ __forceinline__ void lean_rotate_store_pairs(const F& f, float (&x1)[
     y1[i] = rotate ? y1[i] : x1[i];
     y2[i] = rotate ? y2[i] : x2[i];
   }
-  const long long out_format = INPUT_STORES ? static_cast<long long>(kStoreInput) : f.out_format;
   if constexpr (INTERLEAVED) {
     float y[E];
 #pragma unroll
@@ -302,15 +301,18 @@ __device__ __forceinline__ void lean_rotate_store_pairs(const F& f, float (&x1)[
       y[2 * i] = y1[i];
       y[2 * i + 1] = y2[i];
     }
-    lean_store<T>(f, out, out_offset + 2 * pair0, y, out_format, is_k);
+    lean_store<T>(f, out, out_offset + 2 * pair0, y,
+                  INPUT_STORES ? static_cast<long long>(kStoreInput) : f.out_format, is_k);
     if constexpr (CACHE) {
       if (cache_offset >= 0) {
         lean_store<T>(f, f.k_cache, cache_offset + 2 * pair0, y, f.cache_format, true);
       }
     }
   } else {
-    lean_store<T>(f, out, out_offset + pair0, y1, out_format, is_k);
-    lean_store<T>(f, out, out_offset + half + pair0, y2, out_format, is_k);
+    lean_store<T>(f, out, out_offset + pair0, y1,
+                  INPUT_STORES ? static_cast<long long>(kStoreInput) : f.out_format, is_k);
+    lean_store<T>(f, out, out_offset + half + pair0, y2,
+                  INPUT_STORES ? static_cast<long long>(kStoreInput) : f.out_format, is_k);
     if constexpr (CACHE) {
       if (cache_offset >= 0) {
         lean_store<T>(f, f.k_cache, cache_offset + pair0, y1, f.cache_format, true);
