@@ -95,17 +95,16 @@ __device__ __forceinline__ void bulk_commit() {
 }
 
 // Waits until every committed group of the issuing thread has read its shared memory (which
-// may then be overwritten; the global writes may still be under way).
-__device__ __forceinline__ void bulk_wait_read() {
+// may then be overwritten; the global writes may still be under way), or with WRITES until each
+// is complete, writes included.
+template <bool WRITES>
+__device__ __forceinline__ void bulk_wait() {
 #if CUPYROPE_BULK_COPY
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-#endif
-}
-
-// Waits until every committed group of the issuing thread is complete, writes included.
-__device__ __forceinline__ void bulk_wait_all() {
-#if CUPYROPE_BULK_COPY
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  if constexpr (WRITES) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
 #endif
 }
 

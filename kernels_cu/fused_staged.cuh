@@ -204,7 +204,7 @@ __device__ __forceinline__ void staged_produce(const RopeParams& p, const Fusion
     staged_drain<T, TableT, CACHE>(p, f, s, stage, token,
                                    CACHE ? rows_of_slot(f, slot, true) : SlotRows{-1, -1});
     if (j + kStagedStages < count) {
-      bulk_wait_read();  // the stores have read the stage
+      bulk_wait<false>();  // the stores have read the stage
       staged_fill<T, TableT, CACHE>(p, f, s, stage, full + i, token + kStagedStages * step,
                                     next_position.value());
       if (j + kStagedStages + 1 < count) {
@@ -212,7 +212,7 @@ __device__ __forceinline__ void staged_produce(const RopeParams& p, const Fusion
       }
     }
   }
-  bulk_wait_all();  // the block's shared memory must outlive the copies out of it
+  bulk_wait<true>();  // the block's shared memory must outlive the copies out of it
 }
 
 // The sum of `v` over a head's `lanes` threads (a power of two), every thread of the warp taking

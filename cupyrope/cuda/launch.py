@@ -417,8 +417,7 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
             return LaunchSpec(dataclasses.replace(spec, decode=True),
                               decode_struct(p, plan.source), grid, block, shared_bytes, pointers,
                               sin_offset, vector, fused_decode_struct(fusion_params))
-        if lean and fused_staged_applies(plan, outputs, pairs=pairs,
-                                         memory_bandwidth=memory_bandwidth,
+        if lean and fused_staged_applies(plan, outputs, memory_bandwidth=memory_bandwidth,
                                          compute_capability=compute_capability):
             staged = dataclasses.replace(spec, staged=True)
             shared_bytes = staged_shared_bytes(plan)
@@ -963,8 +962,8 @@ def staged_shared_bytes(plan: RopePlan) -> int:
     return STAGED_STAGES * staged_stage_bytes(plan) + STAGED_STAGES * 2 * 8
 
 
-def fused_staged_applies(plan: RopePlan, outputs: list[ArrayInfo], *, pairs: int,
-                         memory_bandwidth: float, compute_capability: int) -> bool:
+def fused_staged_applies(plan: RopePlan, outputs: list[ArrayInfo], *, memory_bandwidth: float,
+                         compute_capability: int) -> bool:
     """Whether the staged fused kernel runs a launch that the lean fused kernel would (and the
     fused decode kernel does not): a Hopper GPU (``compute_capability`` 90-99: bulk copies and
     the shared memory the stages take) of fast memory, the norm (with the cache write up to
@@ -989,13 +988,12 @@ def fused_staged_applies(plan: RopePlan, outputs: list[ArrayInfo], *, pairs: int
         return False
     if fusion.q_weight.dtype != plan.q.dtype or fusion.k_weight.dtype != plan.q.dtype:
         return False
-    chunks = (plan.rotary_dim // 2) // pairs
-    if chunks > 32:
-        return False
     d = plan.head_dim
     rows = [plan.q, plan.k, *outputs[:2]] + ([fusion.v] if fusion.writes_cache else [])
     if any(info.strides[-2] != d for info in rows):
         return False  # heads contiguous: a token's heads are one row
+    # 16-byte table rows: the lean layout's table_vector_ok asks only for the alignment of a
+    # lane's pairs (8 bytes for GPT-J pairs of a 16-bit table).
     table = plan.table
     table_itemsize = ITEMSIZE[table.dtype]
     if (plan.cos_col_stride != 1 or plan.sin_col_stride != 1 or table.ptr % 16
@@ -1236,7 +1234,6 @@ def check_fp8_support(plan: RopePlan) -> None:
             f"{capability // 10}.{capability % 10}. Store in the input dtype instead")
 
 
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
 def _compute_capability(device: int) -> int:
     return int(cupy_module().cuda.Device(device).compute_capability)
