@@ -41,10 +41,19 @@ __device__ __forceinline__ unsigned short to_fp8x2(float low, float high, long l
 }
 
 // W 32-bit words at `dst` (16-byte aligned for 4 words, 8 for 2) as 16- / 8-byte stores. In PTX:
-// the compiler turned a uint4 store of converted values into four 4-byte stores.
-template <int W>
+// the compiler turned a uint4 store of converted values into four 4-byte stores. SHARED: `dst` is
+// in shared memory (the staged MLA kernel's output rows), stored as uint4 / uint2.
+template <int W, bool SHARED = false>
 __device__ __forceinline__ void store_words(void* dst, const unsigned int (&words)[W]) {
-  if constexpr (W % 4 == 0) {
+  if constexpr (SHARED && W % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < W; i += 4) {
+      static_cast<uint4*>(dst)[i / 4] = make_uint4(words[i], words[i + 1], words[i + 2],
+                                                   words[i + 3]);
+    }
+  } else if constexpr (SHARED && W == 2) {
+    *static_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+  } else if constexpr (W % 4 == 0) {
 #pragma unroll
     for (int i = 0; i < W; i += 4) {
       asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
@@ -92,7 +101,7 @@ __device__ __forceinline__ void store_values(void* base, Index offset, const flo
 // stores otherwise came out of NVRTC as four 4-byte stores (bf16) or byte shuffles (fp8). Not
 // used by the fused kernels: there the same change spilled 20-64 bytes in 8 sm_90
 // specialisations.
-template <typename T, int N, typename Index>
+template <typename T, int N, typename Index, bool SHARED = false>
 __device__ __forceinline__ void store_value_words(void* base, Index offset, const float (&v)[N],
                                                   long long format, float inv_scale) {
   static_assert(N % 4 == 0 && (sizeof(T) == 2 || sizeof(T) == 4), "whole 32-bit words");
@@ -101,12 +110,12 @@ __device__ __forceinline__ void store_value_words(void* base, Index offset, cons
       unsigned int words[N / 2];
 #pragma unroll
       for (int i = 0; i < N / 2; ++i) words[i] = store_pair<T>(v[2 * i], v[2 * i + 1]);
-      store_words<N / 2>(static_cast<T*>(base) + offset, words);
+      store_words<N / 2, SHARED>(static_cast<T*>(base) + offset, words);
     } else {
       unsigned int words[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) words[i] = __float_as_uint(Store<T>::from(v[i]));
-      store_words<N>(static_cast<T*>(base) + offset, words);
+      store_words<N, SHARED>(static_cast<T*>(base) + offset, words);
     }
   } else {
     unsigned int words[N / 4];
@@ -117,7 +126,7 @@ __device__ __forceinline__ void store_value_words(void* base, Index offset, cons
           to_fp8x2(v[4 * i + 2] * inv_scale, v[4 * i + 3] * inv_scale, format);
       words[i] = low | (high << 16);
     }
-    store_words<N / 4>(static_cast<unsigned char*>(base) + offset, words);
+    store_words<N / 4, SHARED>(static_cast<unsigned char*>(base) + offset, words);
   }
 }
 

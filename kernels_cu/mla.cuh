@@ -137,6 +137,37 @@ __device__ __forceinline__ void mla_store(const MlaTarget<Index>& t, Index at,
   }
 }
 
+// The pairs of a rope chunk rotated by (c, s), or passed through where `rotate` is false (the
+// cache write alone): GPT-J pairs side by side in `x`, NeoX pairs (x1[j], x2[j]).
+template <int P>
+__device__ __forceinline__ void mla_rotate(const float (&x)[2 * P], const float (&c)[P],
+                                           const float (&s)[P], bool rotate, float (&y)[2 * P]) {
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    if (rotate) {
+      rotate_pair(x[2 * j], x[2 * j + 1], c[j], s[j], 1.0f, y[2 * j], y[2 * j + 1]);
+    } else {
+      y[2 * j] = x[2 * j];
+      y[2 * j + 1] = x[2 * j + 1];
+    }
+  }
+}
+
+template <int P>
+__device__ __forceinline__ void mla_rotate(const float (&x1)[P], const float (&x2)[P],
+                                           const float (&c)[P], const float (&s)[P], bool rotate,
+                                           float (&y1)[P], float (&y2)[P]) {
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    if (rotate) {
+      rotate_pair(x1[j], x2[j], c[j], s[j], 1.0f, y1[j], y2[j]);
+    } else {
+      y1[j] = x1[j];
+      y2[j] = x2[j];
+    }
+  }
+}
+
 template <typename T, bool VECTOR, bool INTERLEAVED, int P, int A, typename Index>
 __device__ __forceinline__ void mla_rope_chunk(const T* in, const MlaTarget<Index>& out,
                                                const MlaTarget<Index>& cache, Index half,
@@ -145,30 +176,14 @@ __device__ __forceinline__ void mla_rope_chunk(const T* in, const MlaTarget<Inde
   if constexpr (INTERLEAVED) {
     float x[2 * P], y[2 * P];
     mla_load<T, VECTOR, 2 * P>(x, in + 2 * pair0);
-#pragma unroll
-    for (int j = 0; j < P; ++j) {
-      if (rotate) {
-        rotate_pair(x[2 * j], x[2 * j + 1], c[j], s[j], 1.0f, y[2 * j], y[2 * j + 1]);
-      } else {
-        y[2 * j] = x[2 * j];
-        y[2 * j + 1] = x[2 * j + 1];
-      }
-    }
+    mla_rotate(x, c, s, rotate, y);
     mla_store<T, VECTOR>(out, 2 * pair0, y);
     mla_store<T, VECTOR>(cache, 2 * pair0, y);
   } else {
     float x1[P], x2[P], y1[P], y2[P];
     mla_load<T, VECTOR, P>(x1, in + pair0);
     mla_load<T, VECTOR, P>(x2, in + half + pair0);
-#pragma unroll
-    for (int j = 0; j < P; ++j) {
-      if (rotate) {
-        rotate_pair(x1[j], x2[j], c[j], s[j], 1.0f, y1[j], y2[j]);
-      } else {
-        y1[j] = x1[j];
-        y2[j] = x2[j];
-      }
-    }
+    mla_rotate(x1, x2, c, s, rotate, y1, y2);
     mla_store<T, VECTOR>(out, pair0, y1);
     mla_store<T, VECTOR>(out, half + pair0, y2);
     mla_store<T, VECTOR>(cache, pair0, y1);

@@ -18,7 +18,9 @@
 // the norm over all heads), rope_fused_lean_kernel (rope_fused_lean_all_heads_kernel) for
 // their common layout (fused_lean.cuh), rope_fused_decode_kernel for that layout at few tokens
 // (fused_decode.cuh) and rope_fused_staged_kernel for the norm past them on Hopper GPUs of fast
-// memory (fused_staged.cuh: rows by bulk copies through shared memory).
+// memory (fused_staged.cuh: rows by bulk copies through shared memory). The DeepSeek MLA kernels
+// are mla_rope_kernel (mla.cuh) and, for many tokens of contiguous rows on those GPUs,
+// mla_staged_kernel (mla_staged.cuh).
 #include "angles.cuh"
 #include "decode.cuh"
 #include "dependent_launch.cuh"
@@ -27,6 +29,7 @@
 #include "fused_lean.cuh"
 #include "fused_staged.cuh"
 #include "mla.cuh"
+#include "mla_staged.cuh"
 #include "numeric.cuh"
 #include "rerotate.cuh"
 #include "rope_params.cuh"

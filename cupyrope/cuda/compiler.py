@@ -516,9 +516,16 @@ class MlaSpec:
     interleaved: bool  # GPT-J pairing (else NeoX)
     source: AngleSource  # CACHE_TABLE or COMPUTED
     wide_index: bool = False  # 64-bit element offsets (else 32-bit: every array's reach fits)
+    # mla_staged_kernel (mla_staged.cuh): rows by bulk copies through shared memory, for many
+    # tokens of contiguous rows on Hopper GPUs of fast memory (mla_launch.mla_staged_applies);
+    # 16-bit, vector, from a cos_sin_cache, 64-bit offsets
+    staged: bool = False
 
     @property
     def name_expression(self) -> str:
+        if self.staged:
+            return (f"cupyrope::mla_staged_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
+                    f"{CUDA_TYPE_NAMES[self.table_dtype]}, {str(self.interleaved).lower()}>")
         return (f"cupyrope::mla_rope_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
                 f"{CUDA_TYPE_NAMES[self.table_dtype]}, {str(self.vector).lower()}, "
                 f"{str(self.interleaved).lower()}, {int(self.source)}, "
@@ -527,13 +534,18 @@ class MlaSpec:
 
 def _mla_specialisations() -> tuple[MlaSpec, ...]:
     """Every MLA dtype, both widths, pairings and offset widths; computed angles, and
-    cos_sin_cache tables of float32 or (16-bit activations) the activations' own dtype."""
+    cos_sin_cache tables of float32 or (16-bit activations) the activations' own dtype; the
+    staged kernels."""
     specs = []
     for dtype, vector, interleaved, wide in itertools.product(MLA_DTYPES, (True, False),
                                                               (True, False), (False, True)):
         specs += [MlaSpec(dtype, table, vector, interleaved, AngleSource.CACHE_TABLE, wide)
                   for table in dict.fromkeys(("float32", dtype))]
         specs.append(MlaSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED, wide))
+    # The staged kernels: 16-bit, from a cos_sin_cache of float32 or their dtype, both pairings.
+    specs += [MlaSpec(dtype, table, True, interleaved, AngleSource.CACHE_TABLE, True, staged=True)
+              for dtype, interleaved in itertools.product(("float16", "bfloat16"), (True, False))
+              for table in ("float32", dtype)]
     return tuple(specs)
 
 

@@ -8,6 +8,7 @@ device).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 
 import numpy as np
@@ -20,8 +21,10 @@ from ..core.fused_plan import STORE_FORMATS
 from ..core.mla import MlaPlan, mla_on_host
 from ..core.mrope import MROPE_NONE
 from .compiler import MlaSpec, get_kernel, is_compiled
-from .launch import (FP8_MIN_COMPUTE_CAPABILITY, INDEX32_LIMIT, _compute_capability, _extent,
-                     _multiprocessors, _resident_blocks, device_constants)
+from .launch import (FAST_MEMORY, FP8_MIN_COMPUTE_CAPABILITY, INDEX32_LIMIT,
+                     MAX_SHARED_ANGLE_BYTES, STAGED_STAGES,
+                     _compute_capability, _extent, _memory_bandwidth, _multiprocessors,
+                     _resident_blocks, allow_shared_bytes, device_constants)
 
 _POINTERS = ("q_nope", "q_pe", "k_nope", "k_pe", "kv_c", "q_nope_out", "q_pe_out", "k_nope_out",
              "k_pe_out", "kv_cache", "kpe_cache", "positions", "slot_mapping", "table",
@@ -120,6 +123,144 @@ def mla_geometry(spec: MlaSpec, p: np.ndarray, multiprocessors: int,
     return best[1], grid
 
 
+# The staged MLA kernel (kernels_cu/mla_staged.cuh): launches of at least MLA_STAGED_MIN_TOKENS
+# tokens on Hopper GPUs of fast memory, a block's token rows moved by bulk copies through
+# STAGED_STAGES shared-memory stages by a producer warp, converted there by MLA_STAGED_CONSUMERS
+# threads (kMlaStagedConsumers; the block has the producer warp besides). Stages of at most
+# MLA_STAGED_MAX_STAGE_BYTES, so that the stages of at least two blocks fit an SM. H200,
+# DeepSeek-V3 at TP 8 (q [T, 16, 128 + 64] bf16 -> fp8, fp32 table), item kernel -> staged, two
+# rounds: bf16 cache T = 32 / 64 / 512 3.12-3.14 / 3.89 / 6.56 -> 3.12-3.13 / 3.37-3.38 /
+# 5.41-5.44 us (graphs of 20 calls), T = 4096 / 16384 / 65536 74.9 / 83.3-83.7 / 86.4 -> 78.5-79.0
+# / 85.1 / 88.5 % of an SM copy; fp8 cache 3.21-3.22 / 3.91 / 6.48 -> 3.20-3.22 / 3.37-3.38 /
+# 5.28-5.29 us, 74.5-74.6 / 83.3-83.4 / 87.1 -> 78.8-79.0 / 83.7 / 86.7-87.1 %. A decode step of
+# at most 32 tokens keeps the item kernel (its items split over blocks: as fast there).
+# measured: docs/perf_log.md#the-staged-mla-kernel-h200-2026-11-29-sixth
+MLA_STAGED_MIN_TOKENS = 64
+MLA_STAGED_CONSUMERS = 128
+MLA_STAGED_THREADS = MLA_STAGED_CONSUMERS + 32
+MLA_STAGED_MAX_STAGE_BYTES = 24 * 1024
+
+
+def _mla_stage_parts(spec: MlaSpec, p: np.ndarray) -> list[int]:
+    """Bytes of each part of one stage of the staged MLA kernel (mla_staged.cuh: MlaStageLayout):
+    the input rows (q's heads when q is written, k_pe's when k or the cache is, kv_c when the
+    cache is), the cos / sin row, the flag word, the output rows (q, k_pe, the cache row)."""
+    size = ITEMSIZE[spec.dtype]
+    out = 1 if int(p["out_format"]) else size
+    cache_size = 1 if int(p["cache_format"]) else size
+    rope = int(p["rope_dim"])
+    cache = bool(int(p["slot_mapping"]))
+    k_out = bool(int(p["k_pe_out"]))
+    q = int(p["num_q_heads"]) * (int(p["nope_dim"]) + rope) if int(p["q_pe_out"]) else 0
+    k = int(p["num_k_heads"]) * rope if k_out or cache else 0
+    kv = int(p["rank"]) if cache else 0
+    return [q * size, k * size, kv * size, rope * ITEMSIZE[spec.table_dtype], 16, q * out,
+            k * out if k_out else 0, (kv + rope) * cache_size if cache else 0]
+
+
+def mla_stage_bytes(spec: MlaSpec, p: np.ndarray) -> int:
+    """Bytes of one stage (its parts, rounded up to whole 128-byte lines)."""
+    return -(-sum(_mla_stage_parts(spec, p)) // 128) * 128
+
+
+def mla_staged_shared_bytes(spec: MlaSpec, p: np.ndarray) -> int:
+    """Dynamic shared memory of a staged MLA launch: the stages and their two barriers each."""
+    return STAGED_STAGES * mla_stage_bytes(spec, p) + STAGED_STAGES * 2 * 8
+
+
+def _contiguous_rows(p: np.ndarray, first: str, second: str | None, heads: int, dim: int,
+                     second_at: int, itemsize: int) -> bool:
+    """Whether a part's token rows (``first``'s pointer and strides, its heads of ``dim``
+    elements, and ``second`` ``second_at`` elements into each head where given: a q head's
+    rope part after its nope part) are one contiguous, 16-byte aligned run of bytes a token
+    (one head's stride is any: a ``[T, dim]`` array's unit head dim)."""
+
+    def rows_of(name):
+        token, head = (int(s) for s in p[f"{name}_strides"])
+        return token, head if heads > 1 else dim
+
+    if rows_of(first) != (heads * dim, dim) or int(p[first]) % 16 or heads * dim * itemsize % 16:
+        return False
+    return second is None or (rows_of(second) == rows_of(first)
+                              and int(p[second]) == int(p[first]) + second_at * itemsize)
+
+
+def mla_staged_applies(spec: MlaSpec, p: np.ndarray, *, memory_bandwidth: float,
+                       compute_capability: int) -> bool:
+    """Whether the staged MLA kernel runs a launch (``spec``, ``p``: plan_mla_launch's): a Hopper
+    GPU (``compute_capability`` 90-99: bulk copies, the stages' shared memory) of fast memory, at
+    least MLA_STAGED_MIN_TOKENS tokens, 16-bit inputs in 16-byte accesses from a cos_sin_cache,
+    no k nope part, and every row a bulk copy moves contiguous and 16-byte aligned: q's heads
+    [nope | rope] one row a token (its nope part written where it has one), k_pe's heads one row
+    (one head where the cache is written), kv_c's row, the cache rows and the table's."""
+    if not (90 <= compute_capability < 100 and memory_bandwidth >= FAST_MEMORY):
+        return False
+    if (spec.dtype not in ("float16", "bfloat16") or not spec.vector
+            or spec.source != AngleSource.CACHE_TABLE
+            or int(p["num_tokens"]) < MLA_STAGED_MIN_TOKENS):
+        return False
+    if int(p["k_nope"]) or int(p["k_nope_out"]):
+        return False
+    size = ITEMSIZE[spec.dtype]
+    out = 1 if int(p["out_format"]) else size
+    cache_size = 1 if int(p["cache_format"]) else size
+    rope, nope = int(p["rope_dim"]), int(p["nope_dim"])
+    heads, k_heads = int(p["num_q_heads"]), int(p["num_k_heads"])
+    cache = bool(int(p["slot_mapping"]))
+    if int(p["q_pe_out"]):
+        if nope:
+            if not (int(p["q_nope_out"])
+                    and _contiguous_rows(p, "q_nope", "q_pe", heads, nope + rope, nope, size)
+                    and _contiguous_rows(p, "q_nope_out", "q_pe_out", heads, nope + rope, nope,
+                                         out)):
+                return False
+        elif not (_contiguous_rows(p, "q_pe", None, heads, rope, 0, size)
+                  and _contiguous_rows(p, "q_pe_out", None, heads, rope, 0, out)):
+            return False
+    elif int(p["q_nope_out"]):
+        return False
+    if int(p["k_pe_out"]) or cache:
+        if not _contiguous_rows(p, "k_pe", None, k_heads, rope, 0, size):
+            return False
+        if int(p["k_pe_out"]) and not _contiguous_rows(p, "k_pe_out", None, k_heads, rope, 0, out):
+            return False
+    if cache:
+        if k_heads != 1 or int(p["kv_c"]) % 16 or int(p["kv_c_stride"]) * size % 16:
+            return False
+        caches = [("kv_cache", "cache_block_stride", "cache_row_stride")]
+        if int(p["kpe_cache"]):
+            caches.append(("kpe_cache", "kpe_block_stride", "kpe_row_stride"))
+        for pointer, block, row in caches:
+            if int(p[pointer]) % 16 or (int(p[block]) * cache_size) % 16 or (
+                    int(p[row]) * cache_size) % 16:
+                return False
+    table = ITEMSIZE[spec.table_dtype]
+    if (int(p["table_col_stride"]) != 1 or int(p["table"]) % 16
+            or (int(p["table_row_stride"]) * table) % 16):
+        return False
+    parts = _mla_stage_parts(spec, p)
+    return all(part % 16 == 0 for part in parts) and (
+        mla_stage_bytes(spec, p) <= MLA_STAGED_MAX_STAGE_BYTES)
+
+
+def mla_staged_geometry(p: np.ndarray, resident: int,
+                        multiprocessors: int) -> tuple[int, int]:
+    """(threads a block, blocks) of a staged MLA launch: a persistent grid of the ``resident``
+    blocks an SM holds (the driver's occupancy of the kernel with its stages' shared memory,
+    :func:`_staged_resident_blocks`), at most one a token."""
+    return MLA_STAGED_THREADS, min(int(p["num_tokens"]), max(1, resident) * multiprocessors)
+
+
+def _staged_resident_blocks(kernel, shared_bytes: int) -> int:
+    """Blocks of the staged kernel an SM holds, as the driver counts them (its occupancy with
+    the stages' shared memory). A count of the SM's 228 KB less 1 KB a block gave five blocks of
+    45.7 KB where the driver holds four, and the grid sized for five ran a second, partial wave
+    (H200, DeepSeek-V3 with an fp8 cache at T = 4096 / 16384 / 65536: 59.5 / 64.8 / 66.0 % of a
+    copy against 78.8 / 83.7 / 86.7-87.1 on the driver's count; docs/perf_log.md)."""
+    return cupy_module().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        kernel.ptr, MLA_STAGED_THREADS, shared_bytes)
+
+
 def _store_format(dtype: str | None) -> int:
     return int(STORE_FORMATS[dtype]) if dtype in FP8_DTYPES else 0
 
@@ -175,12 +316,25 @@ def mla_on_gpu(plan: MlaPlan, outputs: list[ArrayInfo | None]) -> None:
         inv_freq = device_constants.inv_freq(device, rope.inv_freq)
     spec, p = plan_mla_launch(plan, outputs,
                               inv_freq_ptr=0 if inv_freq is None else inv_freq.data.ptr)
+    staged = mla_staged_applies(spec, p, memory_bandwidth=_memory_bandwidth(device),
+                                compute_capability=_compute_capability(device))
+    if staged:
+        spec = dataclasses.replace(spec, wide_index=True, staged=True)
     if capturing and not is_compiled(spec, device):
         raise RuntimeError(needs_warmup(f"{spec.name_expression} is not compiled yet"))
     kernel = get_kernel(spec, device)
     if rope.q.shape[0] == 0:
         return
-    block, grid = mla_geometry(spec, p, _multiprocessors(device), kernel.num_regs)
+    shared_bytes = 0
+    if staged:
+        shared_bytes = mla_staged_shared_bytes(spec, p)
+        if shared_bytes > MAX_SHARED_ANGLE_BYTES:
+            allow_shared_bytes(kernel, device, shared_bytes, op_name)
+        block, blocks = mla_staged_geometry(p, _staged_resident_blocks(kernel, shared_bytes),
+                                            _multiprocessors(device))
+        grid = (blocks, 1)
+    else:
+        block, grid = mla_geometry(spec, p, _multiprocessors(device), kernel.num_regs)
     words = (ctypes.c_uint64 * (MLA_PARAMS_DTYPE.itemsize // 8)).from_buffer_copy(p.tobytes())
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(words))
     cupy = cupy_module()
@@ -189,8 +343,8 @@ def mla_on_gpu(plan: MlaPlan, outputs: list[ArrayInfo | None]) -> None:
     if previous != device:
         runtime.setDevice(device)
     try:
-        driver.launchKernel(kernel.ptr, *grid, 1, block, 1, 1, 0, current_stream(like, device),
-                            ctypes.addressof(argv), 0)
+        driver.launchKernel(kernel.ptr, *grid, 1, block, 1, 1, shared_bytes,
+                            current_stream(like, device), ctypes.addressof(argv), 0)
     finally:
         if previous != device:
             runtime.setDevice(previous)
