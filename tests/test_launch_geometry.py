@@ -265,7 +265,7 @@ def test_computed_decode_only_where_it_pays():
 
 def _fused_launch(op, T, D=128, hq=32, hk=8, dtype=np.float32, positions=None,
                   weight_dtype=None, memory_bandwidth=0.0, compute_capability=0, layout="NHD",
-                  q=None, **rope):
+                  q=None, resident_blocks=None, **rope):
     """plan_launch of a fused call on NumPy arrays (host addresses stand in for device ones):
     ``op`` "norm", "cache", "norm+cache" or "fp8" (fp8 outputs); norm weights of
     ``weight_dtype`` (default q's), on a device of ``memory_bandwidth`` bytes per second."""
@@ -293,7 +293,8 @@ def _fused_launch(op, T, D=128, hq=32, hk=8, dtype=np.float32, positions=None,
                                                                      "k_out")]
     return launch.plan_launch(plan, outputs, num_regs=lambda spec: 64, multiprocessors=132,
                               angle_arithmetic="float64", memory_bandwidth=memory_bandwidth,
-                              compute_capability=compute_capability), plan
+                              compute_capability=compute_capability,
+                              resident_blocks=resident_blocks), plan
 
 
 @pytest.mark.parametrize("op", ["norm", "norm+cache"])
@@ -345,6 +346,18 @@ def test_staged_geometry_is_whole_warps_and_a_persistent_grid():
     hopper = dict(memory_bandwidth=launch.FAST_MEMORY, compute_capability=90, dtype=bf16)
     spec, plan = _fused_launch("norm+cache", launch.STAGED_CACHE_MAX_TOKENS, **hopper)
     assert spec.block == (8, 24, 1) and spec.grid == (4 * 132, 1)
+    # On a GPU the driver's count of resident blocks decides (launch.occupancy_blocks), asked for
+    # the staged specialisation, the block's threads and the stages' shared memory.
+    asked = []
+
+    def driver(kernel_spec, threads, shared_bytes):
+        asked.append((kernel_spec, threads, shared_bytes))
+        return 3
+
+    spec, plan = _fused_launch("norm+cache", launch.STAGED_CACHE_MAX_TOKENS,
+                               resident_blocks=driver, **hopper)
+    assert spec.grid == (3 * 132, 1)
+    assert asked == [(spec.kernel, 192, launch.staged_shared_bytes(plan))]
     assert launch.staged_stage_bytes(plan) == 48 * 128 * 2 + 2 * 64 * 4 + 128  # whole lines
     for D, hq, hk in ((64, 40, 8), (128, 5, 3), (256, 12, 4), (128, 8, 1)):
         for T in (2049, 3001, launch.STAGED_NORM_MAX_TOKENS):

@@ -290,7 +290,8 @@ class LaunchSpec:
 def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int = 0,
                 num_regs: Callable[[KernelSpec], int], multiprocessors: int,
                 angle_arithmetic: str | None = None, memory_bandwidth: float = 0.0,
-                compute_capability: int = 0) -> LaunchSpec:
+                compute_capability: int = 0,
+                resident_blocks: Callable[..., int] | None = None) -> LaunchSpec:
     """The launch that rotates q (and k) of ``plan`` into ``outputs``.
 
     ``inv_freq_ptr`` is the device copy of ``plan.inv_freq`` (computed angles), ``num_regs`` gives
@@ -299,7 +300,9 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
     (``cupyrope.cuda.compiler.angle_arithmetic``; None: unknown, computed angles stay on the lean
     kernel), ``memory_bandwidth`` the device's in bytes per second (:func:`lean_all_heads_held`;
     0: unknown) and ``compute_capability`` its major and minor digits, e.g. 90
-    (:func:`fused_staged_applies`; 0: unknown, no staged launch).
+    (:func:`fused_staged_applies`; 0: unknown, no staged launch); ``resident_blocks(spec,
+    threads, shared_bytes=...)`` the blocks of a specialisation an SM holds, as the driver counts
+    them (:func:`occupancy_blocks`; None: counted by the SM's limits).
     """
     if plan.fusion is not None:
         check_dense_heads(plan)  # the fused kernels read and write whole, dense heads
@@ -421,8 +424,11 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                                          compute_capability=compute_capability):
             staged = dataclasses.replace(spec, staged=True)
             shared_bytes = staged_shared_bytes(plan)
+            resident = None
+            if resident_blocks is not None:
+                resident = functools.partial(resident_blocks, staged, shared_bytes=shared_bytes)
             block, grid = staged_geometry(plan, pairs, num_regs(staged), multiprocessors,
-                                          shared_bytes)
+                                          shared_bytes, resident)
             return LaunchSpec(staged, p, grid, block, shared_bytes, pointers, sin_offset, vector,
                               fusion_params)
         fusion_params["ring"] = ring
@@ -493,7 +499,9 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
                        memory_bandwidth=_memory_bandwidth(device),
                        compute_capability=_compute_capability(device),
                        angle_arithmetic=(device_angle_arithmetic(device)
-                                         if plan.source == AngleSource.COMPUTED else None))
+                                         if plan.source == AngleSource.COMPUTED else None),
+                       resident_blocks=lambda kernel_spec, threads, shared_bytes: occupancy_blocks(
+                           compiled(kernel_spec), device, threads, shared_bytes, plan.op_name))
     kernel = compiled(spec.kernel)
     if spec.shared_bytes > MAX_SHARED_ANGLE_BYTES:
         allow_shared_bytes(kernel, device, spec.shared_bytes, plan.op_name)
@@ -1004,11 +1012,14 @@ def fused_staged_applies(plan: RopePlan, outputs: list[ArrayInfo], *, memory_ban
 
 
 def staged_geometry(plan: RopePlan, pairs: int, num_regs: int, multiprocessors: int,
-                    shared_bytes: int) -> tuple[tuple[int, int, int], tuple[int, int]]:
+                    shared_bytes: int, resident_blocks: Callable[[int], int] | None = None
+                    ) -> tuple[tuple[int, int, int], tuple[int, int]]:
     """(block, grid) of a staged launch: lanes a head (a power of two, for the norm's shuffles),
     thread rows for the rotated heads up to STAGED_MAX_THREADS - 32 threads (whole warps), then
-    the producer warp's rows; a persistent grid of the blocks that registers and the stages'
-    shared memory leave resident, at most one a token."""
+    the producer warp's rows; a persistent grid of the blocks an SM holds, at most one a token:
+    ``resident_blocks(threads)``, the driver's count (:func:`occupancy_blocks`), or without it
+    what registers and the stages' shared memory leave by the SM's limits (a count the driver
+    can undercut: the staged MLA kernel's, cupyrope/cuda/mla_launch.py)."""
     chunks = (plan.rotary_dim // 2) // pairs
     lanes = 1 << (chunks - 1).bit_length()
     group = 32 // lanes  # thread rows a warp
@@ -1016,8 +1027,12 @@ def staged_geometry(plan: RopePlan, pairs: int, num_regs: int, multiprocessors: 
     most = (STAGED_MAX_THREADS - 32) // lanes // group * group
     rows = min(-(-heads // group) * group, most)
     block = (lanes, rows + group, 1)
-    by_shared = HOPPER_SM_SHARED_BYTES // (shared_bytes + BLOCK_SHARED_RESERVED_BYTES)
-    resident = max(1, min(_resident_blocks(lanes * (rows + group), num_regs), by_shared))
+    threads = lanes * (rows + group)
+    if resident_blocks is not None:
+        resident = max(1, resident_blocks(threads))
+    else:
+        by_shared = HOPPER_SM_SHARED_BYTES // (shared_bytes + BLOCK_SHARED_RESERVED_BYTES)
+        resident = max(1, min(_resident_blocks(threads, num_regs), by_shared))
     return block, (min(plan.num_tokens, resident * multiprocessors), 1)
 
 
@@ -1111,6 +1126,18 @@ def allow_shared_bytes(kernel, device: int, nbytes: int, op_name: str) -> None:
     cupy.cuda.driver.funcSetAttribute(
         kernel.ptr, cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
     _shared_opt_ins.add((kernel.ptr, nbytes))
+
+
+def occupancy_blocks(kernel, device: int, threads: int, shared_bytes: int, op_name: str) -> int:
+    """Blocks of ``threads`` an SM holds of ``kernel`` with ``shared_bytes`` of dynamic shared
+    memory, as the driver counts them (cuOccupancyMaxActiveBlocksPerMultiprocessor; the launch's
+    shared memory allowed first). Counted by the SM's 228 KB less 1 KB a block, five blocks of the
+    staged MLA kernel's 45.7 KB fitted where the driver holds four, and a grid sized for five ran
+    a second, partial wave (docs/perf_log.md, "The staged MLA kernel")."""
+    if shared_bytes > MAX_SHARED_ANGLE_BYTES:
+        allow_shared_bytes(kernel, device, shared_bytes, op_name)
+    return cupy_module().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        kernel.ptr, threads, shared_bytes)
 
 
 def fit_row_buffers(plan: RopePlan, fusion, block, grid):

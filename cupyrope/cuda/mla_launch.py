@@ -21,10 +21,9 @@ from ..core.fused_plan import STORE_FORMATS
 from ..core.mla import MlaPlan, mla_on_host
 from ..core.mrope import MROPE_NONE
 from .compiler import MlaSpec, get_kernel, is_compiled
-from .launch import (FAST_MEMORY, FP8_MIN_COMPUTE_CAPABILITY, INDEX32_LIMIT,
-                     MAX_SHARED_ANGLE_BYTES, STAGED_STAGES,
+from .launch import (FAST_MEMORY, FP8_MIN_COMPUTE_CAPABILITY, INDEX32_LIMIT, STAGED_STAGES,
                      _compute_capability, _extent, _memory_bandwidth, _multiprocessors,
-                     _resident_blocks, allow_shared_bytes, device_constants)
+                     _resident_blocks, device_constants, occupancy_blocks)
 
 _POINTERS = ("q_nope", "q_pe", "k_nope", "k_pe", "kv_c", "q_nope_out", "q_pe_out", "k_nope_out",
              "k_pe_out", "kv_cache", "kpe_cache", "positions", "slot_mapping", "table",
@@ -247,18 +246,8 @@ def mla_staged_geometry(p: np.ndarray, resident: int,
                         multiprocessors: int) -> tuple[int, int]:
     """(threads a block, blocks) of a staged MLA launch: a persistent grid of the ``resident``
     blocks an SM holds (the driver's occupancy of the kernel with its stages' shared memory,
-    :func:`_staged_resident_blocks`), at most one a token."""
+    ``launch.occupancy_blocks``), at most one a token."""
     return MLA_STAGED_THREADS, min(int(p["num_tokens"]), max(1, resident) * multiprocessors)
-
-
-def _staged_resident_blocks(kernel, shared_bytes: int) -> int:
-    """Blocks of the staged kernel an SM holds, as the driver counts them (its occupancy with
-    the stages' shared memory). A count of the SM's 228 KB less 1 KB a block gave five blocks of
-    45.7 KB where the driver holds four, and the grid sized for five ran a second, partial wave
-    (H200, DeepSeek-V3 with an fp8 cache at T = 4096 / 16384 / 65536: 59.5 / 64.8 / 66.0 % of a
-    copy against 78.8 / 83.7 / 86.7-87.1 on the driver's count; docs/perf_log.md)."""
-    return cupy_module().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-        kernel.ptr, MLA_STAGED_THREADS, shared_bytes)
 
 
 def _store_format(dtype: str | None) -> int:
@@ -328,10 +317,8 @@ def mla_on_gpu(plan: MlaPlan, outputs: list[ArrayInfo | None]) -> None:
     shared_bytes = 0
     if staged:
         shared_bytes = mla_staged_shared_bytes(spec, p)
-        if shared_bytes > MAX_SHARED_ANGLE_BYTES:
-            allow_shared_bytes(kernel, device, shared_bytes, op_name)
-        block, blocks = mla_staged_geometry(p, _staged_resident_blocks(kernel, shared_bytes),
-                                            _multiprocessors(device))
+        resident = occupancy_blocks(kernel, device, MLA_STAGED_THREADS, shared_bytes, op_name)
+        block, blocks = mla_staged_geometry(p, resident, _multiprocessors(device))
         grid = (blocks, 1)
     else:
         block, grid = mla_geometry(spec, p, _multiprocessors(device), kernel.num_regs)
