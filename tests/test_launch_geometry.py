@@ -549,3 +549,30 @@ def test_persistent_token_grid_leaves_small_grids_alone():
         grid_x, grid_y = launch.persistent_token_grid((blocks, 1), block, 64, 132, 2)
         assert grid_y == 1 and grid_x <= wave and blocks <= grid_x * -(-blocks // grid_x)
         assert -(-blocks // grid_x) == -(-blocks // wave)  # as few tokens a block as a wave allows
+
+
+def test_occupancy_is_the_drivers_asked_once_a_kernel_and_size(monkeypatch):
+    """launch.occupancy_blocks: the driver's count (cuOccupancyMaxActiveBlocksPerMultiprocessor),
+    asked once per kernel, block size and shared memory; past 48 KB the launch's shared memory is
+    allowed first (else the driver counts no block)."""
+    import types
+
+    calls = []
+    driver = types.SimpleNamespace(
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES=8,
+        funcSetAttribute=lambda ptr, attribute, value: calls.append(("allow", ptr, value)),
+        occupancyMaxActiveBlocksPerMultiprocessor=lambda ptr, threads, shared: (
+            calls.append(("ask", ptr, threads, shared)) or 4))
+    runtime = types.SimpleNamespace(
+        getDeviceProperties=lambda device: {"sharedMemPerBlockOptin": 227 * 1024})
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(driver=driver, runtime=runtime))
+    monkeypatch.setattr(launch, "cupy_module", lambda: fake)
+    monkeypatch.setattr(launch, "_occupancies", {})
+    monkeypatch.setattr(launch, "_shared_opt_ins", set())
+    kernel = types.SimpleNamespace(ptr=0xABC)
+    assert launch.occupancy_blocks(kernel, 0, 160, 45632, "op") == 4
+    assert launch.occupancy_blocks(kernel, 0, 160, 45632, "op") == 4
+    assert calls == [("ask", 0xABC, 160, 45632)]
+    calls.clear()
+    assert launch.occupancy_blocks(kernel, 0, 160, 60 * 1024, "op") == 4
+    assert calls == [("allow", 0xABC, 60 * 1024), ("ask", 0xABC, 160, 60 * 1024)]

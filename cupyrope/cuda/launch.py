@@ -1129,16 +1129,26 @@ def allow_shared_bytes(kernel, device: int, nbytes: int, op_name: str) -> None:
     _shared_opt_ins.add((kernel.ptr, nbytes))
 
 
+_occupancies: dict = {}  # (kernel pointer, threads, shared bytes) -> blocks an SM holds
+
+
 def occupancy_blocks(kernel, device: int, threads: int, shared_bytes: int, op_name: str) -> int:
     """Blocks of ``threads`` an SM holds of ``kernel`` with ``shared_bytes`` of dynamic shared
     memory, as the driver counts them (cuOccupancyMaxActiveBlocksPerMultiprocessor; the launch's
-    shared memory allowed first). Counted by the SM's 228 KB less 1 KB a block, five blocks of the
-    staged MLA kernel's 45.7 KB fitted where the driver holds four, and a grid sized for five ran
-    a second, partial wave (docs/perf_log.md, "The staged MLA kernel")."""
-    if shared_bytes > MAX_SHARED_ANGLE_BYTES:
-        allow_shared_bytes(kernel, device, shared_bytes, op_name)
-    return cupy_module().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-        kernel.ptr, threads, shared_bytes)
+    shared memory allowed first), asked once a kernel and size (an MLA call asks every call).
+    Counted by the SM's 228 KB less 1 KB a block, five blocks of the staged MLA kernel's 45.7 KB
+    fitted where the driver holds four, and a grid sized for five ran a second, partial wave
+    (docs/perf_log.md, "The staged MLA kernel")."""
+    key = (kernel.ptr, threads, shared_bytes)
+    blocks = _occupancies.get(key)
+    if blocks is None:
+        if shared_bytes > MAX_SHARED_ANGLE_BYTES:
+            allow_shared_bytes(kernel, device, shared_bytes, op_name)
+        driver = cupy_module().cuda.driver
+        blocks = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads,
+                                                                  shared_bytes)
+        _occupancies[key] = blocks
+    return blocks
 
 
 def fit_row_buffers(plan: RopePlan, fusion, block, grid):
