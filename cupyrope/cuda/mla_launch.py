@@ -131,8 +131,9 @@ def mla_geometry(spec: MlaSpec, p: np.ndarray, multiprocessors: int,
 # rounds: bf16 cache T = 32 / 64 / 512 3.12-3.14 / 3.89 / 6.56 -> 3.12-3.13 / 3.37-3.38 /
 # 5.41-5.44 us (graphs of 20 calls), T = 4096 / 16384 / 65536 74.9 / 83.3-83.7 / 86.4 -> 78.5-79.0
 # / 85.1 / 88.5 % of an SM copy; fp8 cache 3.21-3.22 / 3.91 / 6.48 -> 3.20-3.22 / 3.37-3.38 /
-# 5.28-5.29 us, 74.5-74.6 / 83.3-83.4 / 87.1 -> 78.8-79.0 / 83.7 / 86.7-87.1 %. A decode step of
-# at most 32 tokens keeps the item kernel (its items split over blocks: as fast there).
+# 5.28-5.29 us, 74.5-74.6 / 83.3-83.4 / 87.1 -> 78.8-79.0 / 83.7 / 86.7-87.1 %. Launches of fewer
+# tokens keep the item kernel, whose decode steps split a token's items over blocks (T = 32 as
+# fast either way, T = 1 2.84 against 3.21 us).
 # measured: docs/perf_log.md#the-staged-mla-kernel-h200-2026-11-29-sixth
 MLA_STAGED_MIN_TOKENS = 64
 MLA_STAGED_CONSUMERS = 128
