@@ -38,13 +38,20 @@ constexpr int kStagedMaxThreads = 192;
 constexpr int kStagedMinBlocksPerSM = 4;
 
 // Where a stage keeps a token's rows, in bytes from its start: q's heads, then k's (rotated head h
-// at h * head_dim elements), v's (CACHE), the cos and the sin half of the token's cache row, and
-// a word saying whether that row exists (a position outside the cache reads none: its angles are
-// NaN, as in the lean kernel). Every part is a whole number of 16-byte units (the host checks);
-// launch.staged_stage_bytes computes the same size.
-template <typename T, typename TableT, bool CACHE>
+// at h * head_dim elements), v's (CACHE), then the token's cos and sin rows (the halves of its
+// cache row: angle_rows of them, see below; a position outside the cache reads none, the producer
+// writes NaN there, as the lean kernel's angles are). Every part is a whole number of 16-byte
+// units (the host checks); launch.staged_stage_bytes computes the same size.
+//
+// M-RoPE (MROPE, kernels of their own) gives each pair the angle of one of three position
+// components. Sectioned (Qwen2-VL: runs of pairs a component), the producer copies each run from
+// its component's cache row into the stage's one cos / sin row (runs of whole 16-byte units:
+// launch.fused_staged_applies), so that the consumers read the row as any other. Interleaved
+// (Qwen3-VL: the component changes every pair), the stage holds the three components' rows and
+// each pair reads its own.
+template <typename T, typename TableT, bool CACHE, bool MROPE>
 struct StageLayout {
-  unsigned q_bytes, k_bytes, v_bytes, angle_bytes;
+  unsigned q_bytes, k_bytes, v_bytes, angle_bytes, angle_rows;
 
   __device__ __forceinline__ StageLayout(const RopeParams& p, const FusionParams& f) {
     const unsigned head = static_cast<unsigned>(p.head_dim) * static_cast<unsigned>(sizeof(T));
@@ -52,13 +59,18 @@ struct StageLayout {
     k_bytes = static_cast<unsigned>(p.num_k_heads) * head;
     v_bytes = CACHE ? static_cast<unsigned>(f.num_v_heads) * head : 0u;
     angle_bytes = static_cast<unsigned>(p.rotary_dim / 2) * static_cast<unsigned>(sizeof(TableT));
+    angle_rows = MROPE && p.mrope_mode == kMRopeInterleaved ? 3u : 1u;
   }
   __device__ __forceinline__ unsigned v_at() const { return q_bytes + k_bytes; }
-  __device__ __forceinline__ unsigned cos_at() const { return v_at() + v_bytes; }
-  __device__ __forceinline__ unsigned sin_at() const { return cos_at() + angle_bytes; }
-  __device__ __forceinline__ unsigned flag_at() const { return sin_at() + angle_bytes; }
+  // Component `row`'s cos and sin halves (row 0 but for interleaved M-RoPE).
+  __device__ __forceinline__ unsigned cos_at(unsigned row = 0) const {
+    return v_at() + v_bytes + row * 2 * angle_bytes;
+  }
+  __device__ __forceinline__ unsigned sin_at(unsigned row = 0) const {
+    return cos_at(row) + angle_bytes;
+  }
   // Whole 128-byte lines, so that every stage starts on one.
-  __device__ __forceinline__ unsigned bytes() const { return (flag_at() + 16 + 127) / 128 * 128; }
+  __device__ __forceinline__ unsigned bytes() const { return (cos_at(angle_rows) + 127) / 128 * 128; }
 };
 
 // A position or slot as loaded, converted where it is used: the producer loads it a token or
@@ -81,24 +93,107 @@ __device__ __forceinline__ LoadedIndex load_index(const void* base, long long at
   return r;
 }
 
-// The position of `token` as load_position reads it (none: the implicit arange, its offset).
-__device__ __forceinline__ LoadedIndex load_staged_position(const RopeParams& p, int token) {
+// The positions of a token: one, or M-RoPE's three components.
+template <bool MROPE>
+struct StagedPositions {
+  static constexpr int kComponents = MROPE ? 3 : 1;
+  LoadedIndex component[kComponents];
+};
+
+// The positions of `token` as load_position and pair_position read them (none: the implicit
+// arange, its offset).
+template <bool MROPE>
+__device__ __forceinline__ StagedPositions<MROPE> load_staged_positions(const RopeParams& p,
+                                                                        int token) {
+  StagedPositions<MROPE> r;
   const long long at = static_cast<long long>(token) * p.positions_token_stride[0];
-  if (p.positions == nullptr) return LoadedIndex{at, 0, true};
-  return load_index(p.positions, at, p.positions_are_int64 != 0);
+#pragma unroll
+  for (int c = 0; c < StagedPositions<MROPE>::kComponents; ++c) {
+    const long long offset = at + c * p.positions_component_stride;
+    r.component[c] = p.positions == nullptr
+                         ? LoadedIndex{offset, 0, true}
+                         : load_index(p.positions, offset, p.positions_are_int64 != 0);
+  }
+  return r;
+}
+
+// One position component's share of a stage's angles: the cos and sin bytes it fills and the
+// cache row (elements; -1: its position is outside the cache) they come from.
+struct AnglePart {
+  unsigned cos_at, sin_at, bytes;
+  long long row;
+};
+
+// Component `c`'s part: sectioned M-RoPE's run of pairs [start, start + n) of the stage's one row
+// (mrope_component's sections), else row `c` whole (none past the stage's angle_rows).
+template <typename TableT, typename S>
+__device__ __forceinline__ AnglePart staged_angle_part(const RopeParams& p, const S& s, int c,
+                                                       bool sectioned, long long position) {
+  const int half = static_cast<int>(p.rotary_dim / 2);
+  int start = 0, n = c < static_cast<int>(s.angle_rows) ? half : 0;
+  if (sectioned) {
+    const int s0 = static_cast<int>(p.mrope_section[0]);
+    const int s1 = static_cast<int>(p.mrope_section[1]);
+    start = c == 0 ? 0 : (c == 1 ? s0 : s0 + s1);
+    n = c == 0 ? s0 : (c == 1 ? s1 : half - s0 - s1);
+  }
+  const unsigned at = static_cast<unsigned>(start) * static_cast<unsigned>(sizeof(TableT));
+  const unsigned row = sectioned ? 0u : static_cast<unsigned>(c);
+  const bool valid = position >= 0 && position < p.max_position;
+  return AnglePart{s.cos_at(row) + at, s.sin_at(row) + at,
+                   static_cast<unsigned>(n) * static_cast<unsigned>(sizeof(TableT)),
+                   valid ? position * p.table_row_stride + start : -1LL};
+}
+
+// A part's angles copied into the stage: one copy where it is both whole halves of a
+// cos_sin_cache row (`half_bytes` each), else one a half.
+template <typename TableT>
+__device__ __forceinline__ void staged_angles(const RopeParams& p, unsigned char* stage,
+                                              const AnglePart& part, unsigned half_bytes,
+                                              unsigned long long* full) {
+  const TableT* cos_row = static_cast<const TableT*>(p.cos) + part.row;
+  if (part.bytes == half_bytes && part.sin_at == part.cos_at + half_bytes &&
+      static_cast<const char*>(p.sin) - static_cast<const char*>(p.cos) == half_bytes) {
+    bulk_load(stage + part.cos_at, cos_row, 2 * half_bytes, full);
+  } else {
+    bulk_load(stage + part.cos_at, cos_row, part.bytes, full);
+    bulk_load(stage + part.sin_at, static_cast<const TableT*>(p.sin) + part.row, part.bytes,
+              full);
+  }
 }
 
 // The producer: stage `stage` filled with token `token`'s rows.
-template <typename T, typename TableT, bool CACHE>
+template <typename T, typename TableT, bool CACHE, bool MROPE>
 __device__ __forceinline__ void staged_fill(const RopeParams& p, const FusionParams& f,
-                                            const StageLayout<T, TableT, CACHE>& s,
+                                            const StageLayout<T, TableT, CACHE, MROPE>& s,
                                             unsigned char* stage, unsigned long long* full,
-                                            int token, long long position) {
+                                            int token, const StagedPositions<MROPE>& positions) {
+  constexpr int C = StagedPositions<MROPE>::kComponents;
   const TokenOffsets<int> o = lean_token_offsets(p, token);
-  const bool angles = position >= 0 && position < p.max_position;
-  // Written before the arrival below, which releases it to the consumers' wait.
-  *reinterpret_cast<int*>(stage + s.flag_at()) = angles;
-  barrier_arrive_expecting(full, s.cos_at() + (angles ? 2 * s.angle_bytes : 0u));
+  const bool sectioned = MROPE && p.mrope_mode == kMRopeSectioned;
+  AnglePart parts[C];
+  unsigned angle_bytes = 0;
+  bool outside = false;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    parts[c] = staged_angle_part<TableT>(p, s, c, sectioned, positions.component[c].value());
+    if (parts[c].row >= 0) {
+      angle_bytes += 2 * parts[c].bytes;
+    } else {
+      // A position outside the cache: NaN angles, as every kernel gives (written by this thread;
+      // the arrival below releases them to the consumers, the fence orders them before later
+      // bulk copies into the same bytes).
+      for (unsigned at = 0; at < parts[c].bytes; at += sizeof(TableT)) {
+        *reinterpret_cast<TableT*>(stage + parts[c].cos_at + at) =
+            Store<TableT>::from(quiet_nan<float>());
+        *reinterpret_cast<TableT*>(stage + parts[c].sin_at + at) =
+            Store<TableT>::from(quiet_nan<float>());
+      }
+      outside = true;
+    }
+  }
+  if (outside) fence_for_bulk_copies();
+  barrier_arrive_expecting(full, s.cos_at() + angle_bytes);
   bulk_load(stage, static_cast<const T*>(p.q) + o.q, s.q_bytes, full);
   bulk_load(stage + s.q_bytes, static_cast<const T*>(p.k) + o.k, s.k_bytes, full);
   if constexpr (CACHE) {
@@ -106,14 +201,10 @@ __device__ __forceinline__ void staged_fill(const RopeParams& p, const FusionPar
               static_cast<const T*>(f.v) + static_cast<long long>(token) * f.v_token_stride,
               s.v_bytes, full);
   }
-  if (angles) {
-    const long long row = position * p.table_row_stride;
-    const TableT* cos_row = static_cast<const TableT*>(p.cos) + row;
-    if (static_cast<const char*>(p.sin) - static_cast<const char*>(p.cos) == s.angle_bytes) {
-      bulk_load(stage + s.cos_at(), cos_row, 2 * s.angle_bytes, full);  // a cos_sin_cache row
-    } else {
-      bulk_load(stage + s.cos_at(), cos_row, s.angle_bytes, full);
-      bulk_load(stage + s.sin_at(), static_cast<const TableT*>(p.sin) + row, s.angle_bytes, full);
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    if (parts[c].row >= 0 && parts[c].bytes > 0) {
+      staged_angles<TableT>(p, stage, parts[c], s.angle_bytes, full);
     }
   }
 }
@@ -137,9 +228,9 @@ __device__ __forceinline__ void staged_cache_rows(void* cache, long long base,
 
 // The producer: the finished rows of stage `stage` (token `token`) to q_out, k_out and the
 // token's cache rows (`slot`), as one bulk group.
-template <typename T, typename TableT, bool CACHE>
+template <typename T, typename TableT, bool CACHE, bool MROPE>
 __device__ __forceinline__ void staged_drain(const RopeParams& p, const FusionParams& f,
-                                             const StageLayout<T, TableT, CACHE>& s,
+                                             const StageLayout<T, TableT, CACHE, MROPE>& s,
                                              const unsigned char* stage, int token,
                                              const SlotRows& slot) {
   const TokenOffsets<int> o = lean_token_offsets(p, token);
@@ -162,9 +253,9 @@ __device__ __forceinline__ void staged_drain(const RopeParams& p, const FusionPa
 // The producer thread: the first stages filled, then for each token of the block its rows copied
 // out once the consumers are done with them, and the stage refilled with the token kStagedStages
 // later. Positions and slots load a token ahead of their use.
-template <typename T, typename TableT, bool CACHE>
+template <typename T, typename TableT, bool CACHE, bool MROPE>
 __device__ __forceinline__ void staged_produce(const RopeParams& p, const FusionParams& f,
-                                               const StageLayout<T, TableT, CACHE>& s,
+                                               const StageLayout<T, TableT, CACHE, MROPE>& s,
                                                unsigned char* stages, unsigned long long* full,
                                                unsigned long long* done, int first, int step,
                                                int count) {
@@ -172,21 +263,23 @@ __device__ __forceinline__ void staged_produce(const RopeParams& p, const Fusion
   {
     // The first stages' positions loaded together (one wait for all of them), then the stages
     // filled.
-    long long positions[kStagedStages];
+    StagedPositions<MROPE> positions[kStagedStages];
 #pragma unroll
     for (int i = 0; i < kStagedStages; ++i) {
-      positions[i] = i < count ? load_staged_position(p, first + i * step).value() : 0;
+      if (i < count) positions[i] = load_staged_positions<MROPE>(p, first + i * step);
     }
 #pragma unroll
     for (int i = 0; i < kStagedStages; ++i) {
       if (i < count) {
-        staged_fill<T, TableT, CACHE>(p, f, s, stages + i * stage_bytes, full + i,
+        staged_fill<T, TableT, CACHE, MROPE>(p, f, s, stages + i * stage_bytes, full + i,
                                       first + i * step, positions[i]);
       }
     }
   }
-  LoadedIndex next_position{0, 0, true};
-  if (kStagedStages < count) next_position = load_staged_position(p, first + kStagedStages * step);
+  StagedPositions<MROPE> next_positions;
+  if (kStagedStages < count) {
+    next_positions = load_staged_positions<MROPE>(p, first + kStagedStages * step);
+  }
   LoadedIndex next_slot{-1, 0, true};
   if (CACHE && count > 0) {
     next_slot = load_index(f.slot_mapping, first * f.slot_stride, f.slots_are_int64 != 0);
@@ -201,14 +294,14 @@ __device__ __forceinline__ void staged_produce(const RopeParams& p, const Fusion
                              f.slots_are_int64 != 0);
     }
     barrier_wait(done + i, (j / kStagedStages) & 1);
-    staged_drain<T, TableT, CACHE>(p, f, s, stage, token,
+    staged_drain<T, TableT, CACHE, MROPE>(p, f, s, stage, token,
                                    CACHE ? rows_of_slot(f, slot, true) : SlotRows{-1, -1});
     if (j + kStagedStages < count) {
       bulk_wait<false>();  // the stores have read the stage
-      staged_fill<T, TableT, CACHE>(p, f, s, stage, full + i, token + kStagedStages * step,
-                                    next_position.value());
+      staged_fill<T, TableT, CACHE, MROPE>(p, f, s, stage, full + i,
+                                           token + kStagedStages * step, next_positions);
       if (j + kStagedStages + 1 < count) {
-        next_position = load_staged_position(p, token + (kStagedStages + 1) * step);
+        next_positions = load_staged_positions<MROPE>(p, token + (kStagedStages + 1) * step);
       }
     }
   }
@@ -229,8 +322,36 @@ __device__ __forceinline__ float staged_lanes_sum(float v, int lanes) {
   return v;
 }
 
-// The norm weights are of q's dtype (the host admits no other here).
-template <typename T, typename TableT, bool INTERLEAVED, bool NORM, bool CACHE>
+// The angles of a lane's pairs [pair0, pair0 + P) from a filled stage, sin with its sign.
+// Interleaved M-RoPE: each pair from its component's row, `components` holding each pair's
+// (mrope_component), two bits a pair.
+template <typename TableT, int P, bool MROPE, typename S>
+__device__ __forceinline__ void staged_angles_of(const S& s, const unsigned char* stage,
+                                                 int pair0, unsigned components, float sin_sign,
+                                                 float (&cos_v)[P], float (&sin_v)[P]) {
+  if (MROPE && s.angle_rows > 1) {
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const unsigned c = (components >> (2 * k)) & 3u;
+      cos_v[k] = Convert<float>::from(
+          reinterpret_cast<const TableT*>(stage + s.cos_at(c))[pair0 + k]);
+      sin_v[k] = Convert<float>::from(
+          reinterpret_cast<const TableT*>(stage + s.sin_at(c))[pair0 + k]);
+    }
+  } else {
+    load_table(cos_v, reinterpret_cast<const TableT*>(stage + s.cos_at()) + pair0, 1, true);
+    load_table(sin_v, reinterpret_cast<const TableT*>(stage + s.sin_at()) + pair0, 1, true);
+  }
+#pragma unroll
+  for (int k = 0; k < P; ++k) sin_v[k] *= sin_sign;
+}
+
+// The norm weights are of q's dtype (the host admits no other here). PARTIAL (rotary_dim <
+// head_dim, kernels of their own): with the norm, lanes past the rotated chunks hold the other
+// dims as the lean kernel's do (fused_lean.cuh), normalised but not rotated; without it they
+// have nothing to do, the stage's rows being copied out whole.
+template <typename T, typename TableT, bool INTERLEAVED, bool NORM, bool CACHE, bool MROPE,
+          bool PARTIAL>
 __device__ __forceinline__ void rope_fused_staged_tokens(const RopeParams& p,
                                                          const FusionParams& f) {
   using L = Layout<T, true, INTERLEAVED>;
@@ -238,7 +359,7 @@ __device__ __forceinline__ void rope_fused_staged_tokens(const RopeParams& p,
   constexpr int P = L::pairs;
   extern __shared__ __align__(16) unsigned char staged_shared[];
 
-  const StageLayout<T, TableT, CACHE> s(p, f);
+  const StageLayout<T, TableT, CACHE, MROPE> s(p, f);
   const unsigned stage_bytes = s.bytes();
   unsigned long long* full =
       reinterpret_cast<unsigned long long*>(staged_shared + kStagedStages * stage_bytes);
@@ -263,15 +384,26 @@ __device__ __forceinline__ void rope_fused_staged_tokens(const RopeParams& p,
   wait_for_previous_grid();
   if (row >= consumer_rows) {
     if (lane + lanes * (row - consumer_rows) == 0) {
-      staged_produce<T, TableT, CACHE>(p, f, s, staged_shared, full, done, first, step, count);
+      staged_produce<T, TableT, CACHE, MROPE>(p, f, s, staged_shared, full, done, first, step,
+                                              count);
     }
     return;
   }
 
   const int head_dim = static_cast<int>(p.head_dim);
-  const int half = head_dim / 2;  // every dim rotated
-  const int pair0 = lane * P;
-  const bool active = lane < half / P;  // lanes past the head's chunks: the norm's zeros only
+  const int half = static_cast<int>(p.rotary_dim) / 2;
+  const int num_chunks = half / P;
+  const int head_lanes = PARTIAL && NORM ? head_dim / (2 * P) : num_chunks;
+  const int pair0 = PARTIAL && !INTERLEAVED ? lane * P + (lane / num_chunks) * half : lane * P;
+  const bool active = lane < head_lanes;  // lanes past the head's: the norm's zeros only
+  const bool rotating = lane < num_chunks;  // the lanes with angles
+  unsigned components = 0;
+  if constexpr (MROPE) {
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      components |= static_cast<unsigned>(mrope_component(p, pair0 + k)) << (2 * k);
+    }
+  }
   const int num_q_heads = static_cast<int>(p.num_q_heads);
   const int num_rotated = num_q_heads + static_cast<int>(p.num_k_heads);
   const float sin_sign = static_cast<float>(p.sin_sign);
@@ -283,16 +415,8 @@ __device__ __forceinline__ void rope_fused_staged_tokens(const RopeParams& p,
     T* heads = reinterpret_cast<T*>(stage);
     barrier_wait(full + i, (j / kStagedStages) & 1);
     float cos_v[P], sin_v[P];
-    if (active) {
-      if (*reinterpret_cast<const int*>(stage + s.flag_at())) {
-        load_table(cos_v, reinterpret_cast<const TableT*>(stage + s.cos_at()) + pair0, 1, true);
-        load_table(sin_v, reinterpret_cast<const TableT*>(stage + s.sin_at()) + pair0, 1, true);
-#pragma unroll
-        for (int k = 0; k < P; ++k) sin_v[k] *= sin_sign;
-      } else {
-#pragma unroll
-        for (int k = 0; k < P; ++k) cos_v[k] = sin_v[k] = quiet_nan<float>();
-      }
+    if (rotating) {
+      staged_angles_of<TableT, P, MROPE>(s, stage, pair0, components, sin_sign, cos_v, sin_v);
     }
     // Every thread of the block takes the same rounds of heads (a thread row past the heads
     // with none), so that a warp's shuffles always find all its threads.
@@ -309,7 +433,7 @@ __device__ __forceinline__ void rope_fused_staged_tokens(const RopeParams& p,
         Chunk chunk;
         chunk.load(heads + head * head_dim, pair0, half);
         chunk.pairs(x1, x2);
-        if constexpr (NORM) {
+        if constexpr (NORM && !MROPE) {
           load_chunk_weights<T, P, INTERLEAVED>(f, is_k ? f.k_weight : f.q_weight, pair0, half,
                                                 weights);
         }
@@ -319,16 +443,22 @@ __device__ __forceinline__ void rope_fused_staged_tokens(const RopeParams& p,
         const float sum = staged_lanes_sum(working ? pairs_sum_of_squares(x1, x2) : 0.0f, lanes);
         rms_scale = rsqrtf(fmaf(sum, inv_dim, eps));
       }
+      if constexpr (NORM && MROPE) {
+        if (working) {
+          load_chunk_weights<T, P, INTERLEAVED>(f, is_k ? f.k_weight : f.q_weight, pair0, half,
+                                                weights);
+        }
+      }
       if (working) {
         lean_rotate_store_pairs<T, P, INTERLEAVED, NORM, false, T, FusionParams, LaneWeights<P>,
                                 true>(f, x1, x2, pair0, half, weights, weight_offset, rms_scale,
-                                      cos_v, sin_v, is_k, heads, head * head_dim, -1LL);
+                                      cos_v, sin_v, is_k, heads, head * head_dim, -1LL,
+                                      !PARTIAL || rotating);
       }
     }
     fence_for_bulk_copies();  // this thread's stores, before the producer's copies read them
     barrier_arrive(done + i);
   }
 }
-
 
 }  // namespace cupyrope

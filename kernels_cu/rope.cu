@@ -343,11 +343,12 @@ void rope_fused_lean_kernel(const RopeParams p, const FusionParams f) {
 // through shared-memory stages (fused_staged.cuh), on Hopper GPUs of fast memory
 // (launch.fused_staged_applies; lean layout, table angles, full rotation, stores of the input
 // dtype). Built for an architecture without bulk copies it traps: no launch picks it there.
-template <typename T, typename TableT, bool INTERLEAVED, bool NORM, bool CACHE>
+template <typename T, typename TableT, bool INTERLEAVED, bool NORM, bool CACHE, bool MROPE = false,
+          bool PARTIAL = false>
 __global__ __launch_bounds__(kStagedMaxThreads, kStagedMinBlocksPerSM)
 void rope_fused_staged_kernel(const RopeParams p, const FusionParams f) {
 #if CUPYROPE_BULK_COPY
-  rope_fused_staged_tokens<T, TableT, INTERLEAVED, NORM, CACHE>(p, f);
+  rope_fused_staged_tokens<T, TableT, INTERLEAVED, NORM, CACHE, MROPE, PARTIAL>(p, f);
 #else
   __trap();
 #endif

@@ -156,3 +156,165 @@ def test_staged_kernel_on_fused_qkv_views_and_other_heads(backend, rng, staged, 
         np.testing.assert_array_equal(got_v[slots[written]], parts[:, Hq + Hk:][written])
         (spec,) = planned_launches
         assert spec.kernel.staged, spec.kernel
+
+
+def _mrope_component(pair, sections, interleaved):
+    """The position component (0 temporal, 1 height, 2 width) of frequency ``pair``, as Hugging
+    Face's Qwen2-VL (sectioned) and Qwen3-VL (interleaved) lay them out."""
+    s0, s1, s2 = sections
+    if not interleaved:
+        return 0 if pair < s0 else (1 if pair < s0 + s1 else 2)
+    if pair % 3 == 1 and pair < 3 * s1:
+        return 1
+    if pair % 3 == 2 and pair < 3 * s2:
+        return 2
+    return 0
+
+
+def _mrope_tables(table, positions, sections, interleaved):
+    """float64 cos / sin [T, half] of each token's pairs, each pair from the cache row of its
+    own component's position (NaN where that position is outside the cache)."""
+    cache = np.asarray(table, np.float64)
+    half = cache.shape[1] // 2
+    T = positions.shape[1]
+    cos, sin = np.full((T, half), np.nan), np.full((T, half), np.nan)
+    for j in range(half):
+        pos = positions[_mrope_component(j, sections, interleaved)]
+        inside = (pos >= 0) & (pos < cache.shape[0])
+        cos[inside, j] = cache[pos[inside], j]
+        sin[inside, j] = cache[pos[inside], half + j]
+    return cos, sin
+
+
+def _assert_close_with_nans(got, expected, dtype, what):
+    """NaN exactly where the reference is (pairs whose angle row is missing), close elsewhere."""
+    got = np.asarray(got, np.float64)
+    nan = np.isnan(expected)
+    assert np.isnan(got[nan]).all() and not np.isnan(got[~nan]).any(), f"{what}: NaN pattern"
+    _assert_close(np.where(nan, 0.0, got), np.where(nan, 0.0, expected), dtype, what)
+
+
+def _staged_fused_call(backend, rng, op, dtype_name, q, k, positions, table, *,
+                       interleaved=False, scaling=None, inplace=False):
+    """``op`` ("norm", "cache", "norm+cache") on the GPU of q / k of ``dtype_name``: the outputs,
+    the k / v caches with the slots and v (cache ops) and the float64 inputs the rotation sees
+    (normalised for norm ops)."""
+    T, Hk, D = k.shape
+    dtype = np_dtype(dtype_name)
+    common = dict(cos_sin_cache=backend.put(table), interleaved=interleaved, inplace=inplace)
+    if scaling is not None:
+        common["scaling"] = scaling
+    weights = {}
+    if "norm" in op:
+        weights = {"q": rng.uniform(0.5, 1.5, D).astype(dtype),
+                   "k": rng.uniform(0.5, 1.5, D).astype(dtype)}
+    qb, kb, pb = backend.put(q), backend.put(k), backend.put(positions)
+    if op == "norm":
+        outs = cr.rms_norm_rope(qb, kb, backend.put(weights["q"]), backend.put(weights["k"]), pb,
+                                eps=1e-6, **common)
+        caches = None
+    else:
+        v = rng.standard_normal((T, Hk, D)).astype(dtype)
+        slots, k_host, v_host = _paged(rng, T, Hk, D, dtype_name, "NHD")
+        k_cache, v_cache = backend.put(k_host), backend.put(v_host)
+        norm = ({"q_weight": backend.put(weights["q"]), "k_weight": backend.put(weights["k"]),
+                 "eps": 1e-6} if weights else {})
+        q_out, k_out, _, _ = cr.rope_and_cache(qb, kb, backend.put(v), pb, k_cache, v_cache,
+                                               backend.put(slots), **norm, **common)
+        outs = (q_out, k_out)
+        caches = (k_cache, v_cache, slots, v)
+    inputs = {name: (_rms_norm64(x, weights[name], 1e-6, 0.0) if weights
+                     else np.asarray(x, np.float64)) for name, x in (("q", q), ("k", k))}
+    return outs, caches, inputs
+
+
+def _check_caches(backend, caches, expected_k, dtype):
+    k_cache, v_cache, slots, v = caches
+    got_k = _slot_rows(host_values(backend, k_cache), "NHD")
+    got_v = _slot_rows(host_values(backend, v_cache), "NHD")
+    written = (slots >= 0) & (slots < got_k.shape[0])
+    _assert_close_with_nans(got_k[slots[written]], expected_k[written], dtype, "k cache")
+    np.testing.assert_array_equal(got_v[slots[written]], v[written])
+    untouched = np.ones(got_k.shape[0], bool)
+    untouched[slots[written]] = False
+    assert not got_k[untouched].any() and not got_v[untouched].any(), "stray cache write"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS, indirect=True)
+@pytest.mark.parametrize("T", [37, 3001])
+@pytest.mark.parametrize("interleaved_mrope", [False, True], ids=["sectioned", "interleaved"])
+@pytest.mark.parametrize("dtype,table_dtype", [("bfloat16", "float32"), ("float16", "float16")])
+@pytest.mark.parametrize("op", ["norm", "cache", "norm+cache"])
+def test_staged_kernel_mrope_matches_the_reference(backend, rng, staged, planned_launches,
+                                                   monkeypatch, T, interleaved_mrope, dtype,
+                                                   table_dtype, op):
+    """Qwen2-VL's sectioned and Qwen3-VL's interleaved M-RoPE through the staged kernel: each
+    pair rotated by its own position component's angle (a component outside the cache: NaN in
+    its pairs only), with the norm, the cache write or both."""
+    from cupyrope.cuda import launch
+
+    monkeypatch.setattr(launch, "STAGED_LAYOUT_MIN_TOKENS", 1)
+    Hq, Hk, D, max_position = 6, 2, 128, 4096
+    sections = (24, 20, 20) if interleaved_mrope else (16, 24, 24)
+    positions = rng.integers(0, max_position, (3, T))
+    if T > 5:
+        positions[1, 5] = max_position + 3  # the height component outside the cache
+    table = cr.cos_sin_cache(max_position, D, dtype=table_dtype)
+    q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
+    k = (rng.standard_normal((T, Hk, D)) * 3).astype(np_dtype(dtype))
+    scaling = {"rope_type": "default", "mrope_section": list(sections),
+               "mrope_interleaved": interleaved_mrope}
+    outs, caches, inputs = _staged_fused_call(backend, rng, op, dtype, q, k, positions, table,
+                                              scaling=scaling)
+    cos, sin = _mrope_tables(table, positions, sections, interleaved_mrope)
+    expected = {}
+    for name, out in zip(("q", "k"), outs):
+        expected[name] = reference_rope(inputs[name], cos=cos, sin=sin, rotary_dim=D)
+        _assert_close_with_nans(host_values(backend, out), expected[name], dtype,
+                                f"{backend} {name}")
+    if caches is not None:
+        _check_caches(backend, caches, expected["k"], dtype)
+    (spec,) = planned_launches
+    assert spec.kernel.staged and spec.kernel.mrope, spec.kernel
+    assert (spec.kernel.norm, spec.kernel.cache) == ("norm" in op, "cache" in op)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS, indirect=True)
+@pytest.mark.parametrize("T", [37, 3001])
+@pytest.mark.parametrize("D,rotary_dim,interleaved", [(256, 64, False), (128, 64, False),
+                                                      (128, 64, True)])
+@pytest.mark.parametrize("op,inplace", [("norm", False), ("norm", True), ("cache", True),
+                                        ("norm+cache", False)])
+def test_staged_kernel_partial_rotation_matches_the_reference(backend, rng, staged,
+                                                              planned_launches, monkeypatch, T,
+                                                              D, rotary_dim, interleaved, op,
+                                                              inplace):
+    """Partial rotations (Qwen3-Next: 64 of 256 dims, GLM: 64 of 128) through the staged kernel:
+    the norm over the whole head, the first rotary_dim dims rotated, the others normalised (or,
+    without the norm, kept bit for bit), in place or not, with the cache write."""
+    from cupyrope.cuda import launch
+
+    monkeypatch.setattr(launch, "STAGED_LAYOUT_MIN_TOKENS", 1)
+    Hq, Hk, max_position, dtype = 6, 2, 4096, "bfloat16"
+    positions = rng.integers(0, max_position, T)
+    if T > 5:
+        positions[5] = max_position + 3  # outside the cache: NaN in the rotated dims only
+    table = cr.cos_sin_cache(max_position, rotary_dim, dtype="float32")
+    q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
+    k = (rng.standard_normal((T, Hk, D)) * 3).astype(np_dtype(dtype))
+    outs, caches, inputs = _staged_fused_call(backend, rng, op, dtype, q, k, positions, table,
+                                              interleaved=interleaved, inplace=inplace)
+    expected = {}
+    for name, x, out in zip(("q", "k"), (q, k), outs):
+        expected[name] = reference_rope(inputs[name], positions, cos_sin_cache=table,
+                                        interleaved=interleaved, rotary_dim=rotary_dim)
+        got = host_values(backend, out)
+        _assert_close_with_nans(got, expected[name], dtype, f"{backend} {name}")
+        if "norm" not in op:  # dims past rotary_dim: the input's bits
+            np.testing.assert_array_equal(got[..., rotary_dim:].view(np.uint16),
+                                          x[..., rotary_dim:].view(np.uint16))
+    if caches is not None:
+        _check_caches(backend, caches, expected["k"], dtype)
+    (spec,) = planned_launches
+    assert spec.kernel.staged and spec.kernel.partial, spec.kernel
+    assert (spec.kernel.norm, spec.kernel.cache) == ("norm" in op, "cache" in op)

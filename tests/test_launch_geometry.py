@@ -329,12 +329,68 @@ def test_staged_kernel_takes_the_norm_past_decode_on_fast_hopper_memory(op):
         dict(hopper, compute_capability=0), dict(hopper, memory_bandwidth=launch.FAST_MEMORY / 2),
         dict(hopper, dtype=np.float32), dict(hopper, weight_dtype=np.float32),
         dict(hopper, theta=10000.0),  # computed angles
-        dict(hopper, cos_sin_cache=np.zeros((4096, 64), np.float32)),  # a partial rotation
         dict(hopper, q=padded),
     ]
     for kwargs in refused:
         spec, _ = _fused_launch(op, first, **kwargs)
         assert not spec.kernel.staged, kwargs
+
+
+@pytest.mark.parametrize("op", ["norm", "cache", "norm+cache"])
+def test_staged_kernel_takes_mrope_and_partial_rotations_from_a_few_hundred_tokens(op):
+    """M-RoPE (sectioned and interleaved) and partial rotations run the staged kernel on a
+    Hopper GPU of fast memory from STAGED_LAYOUT_MIN_TOKENS, with no upper bound but for
+    sectioned M-RoPE's cache write without the norm (up to STAGED_CACHE_MAX_TOKENS), with the
+    norm, the cache write or both: specialisations of their own. A stage holds the three position
+    components' cos / sin rows for interleaved M-RoPE, one row otherwise (sectioned M-RoPE's runs
+    copied into it: each run a whole number of 16-byte units, else the lean kernel). Full
+    rotations without the norm keep the lean and decode kernels."""
+    from cupyrope.cuda import compiler
+
+    bf16 = ml_dtypes.bfloat16
+    hopper = dict(memory_bandwidth=launch.FAST_MEMORY, compute_capability=90, dtype=bf16)
+    least = launch.STAGED_LAYOUT_MIN_TOKENS
+
+    def mrope(T, sections=(16, 24, 24), interleaved=False, **kwargs):
+        scaling = {"rope_type": "default", "mrope_section": list(sections),
+                   "mrope_interleaved": interleaved}
+        return _fused_launch(op, T, positions=np.zeros((3, T), np.int64), scaling=scaling,
+                             cos_sin_cache=np.zeros((4096, 128), np.float32), **kwargs)
+
+    def partial(T, **kwargs):
+        return _fused_launch(op, T, cos_sin_cache=np.zeros((4096, 64), np.float32), **kwargs)
+
+    for T in (least, 65536):
+        for (spec, plan), kind in ((mrope(min(T, launch.STAGED_CACHE_MAX_TOKENS), **hopper),
+                                    "mrope"),
+                                   (mrope(T, interleaved=True, **hopper), "mrope"),
+                                   (partial(T, **hopper), "partial")):
+            assert spec.kernel.staged and getattr(spec.kernel, kind), (op, T, spec.kernel)
+            assert (spec.kernel.norm, spec.kernel.cache) == ("norm" in op, "cache" in op)
+            assert spec.kernel in compiler.ALL_SPECIALISATIONS
+            assert spec.shared_bytes == launch.staged_shared_bytes(plan)
+    # Stage bytes: q, k (and v) heads of 128 bf16 dims, then fp32 cos / sin rows of 64 pairs.
+    heads = (32 + 8 + (8 if "cache" in op else 0)) * 128 * 2
+    _, sectioned = mrope(least, **hopper)
+    _, interleaved = mrope(least, interleaved=True, **hopper)
+    assert launch.staged_stage_bytes(sectioned) == -(-(heads + 512) // 128) * 128
+    assert launch.staged_stage_bytes(interleaved) == -(-(heads + 3 * 512) // 128) * 128
+    # A partial rotation's norm takes lanes for every dim; without it, the rotated chunks'.
+    spec, _ = partial(least, **hopper)
+    assert spec.block[0] == (8 if "norm" in op else 4)  # bf16 NeoX lanes: 8 pairs each
+    spec, _ = partial(least, D=256, hq=16, hk=2, **hopper)  # Qwen3-Next: 64 of 256 dims
+    assert spec.kernel.staged and spec.block[0] == (16 if "norm" in op else 4)
+    for spec, _ in (mrope(least - 1, **hopper), partial(least - 1, **hopper),
+                    mrope(least, sections=(10, 27, 27), **hopper),  # runs of 40 / 108 bytes
+                    mrope(least, **dict(hopper, compute_capability=80)),
+                    partial(least, **dict(hopper, memory_bandwidth=launch.FAST_MEMORY / 2))):
+        assert not spec.kernel.staged and spec.kernel.lean, (op, spec.kernel)
+    past, _ = mrope(launch.STAGED_CACHE_MAX_TOKENS + 1, **hopper)
+    assert past.kernel.staged == (op != "cache"), (op, past.kernel)
+    if op == "cache":  # a full rotation with the cache write alone: lean or decode kernels
+        for T in (least, 65536):
+            spec, _ = _fused_launch(op, T, **hopper)
+            assert not spec.kernel.staged, T
 
 
 def test_staged_geometry_is_whole_warps_and_a_persistent_grid():
@@ -358,7 +414,7 @@ def test_staged_geometry_is_whole_warps_and_a_persistent_grid():
                                resident_blocks=driver, **hopper)
     assert spec.grid == (3 * 132, 1)
     assert asked == [(spec.kernel, 192, launch.staged_shared_bytes(plan))]
-    assert launch.staged_stage_bytes(plan) == 48 * 128 * 2 + 2 * 64 * 4 + 128  # whole lines
+    assert launch.staged_stage_bytes(plan) == 48 * 128 * 2 + 2 * 64 * 4  # whole 128-byte lines
     for D, hq, hk in ((64, 40, 8), (128, 5, 3), (256, 12, 4), (128, 8, 1)):
         for T in (2049, 3001, launch.STAGED_NORM_MAX_TOKENS):
             spec, plan = _fused_launch("norm", T, D=D, hq=hq,

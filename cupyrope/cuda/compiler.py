@@ -62,8 +62,8 @@ class KernelSpec:
     # (launch.lean_all_heads_held; 0 for every other kernel)
     held: int = 0
     # rope_fused_staged_kernel (fused_staged.cuh): the norm (with or without the cache write),
-    # rows by bulk copies through shared memory; Hopper GPUs of fast memory
-    # (launch.fused_staged_applies)
+    # and M-RoPE or a partial rotation with the cache write, rows by bulk copies through shared
+    # memory; Hopper GPUs of fast memory (launch.fused_staged_applies)
     staged: bool = False
 
     @property
@@ -72,7 +72,8 @@ class KernelSpec:
         if self.staged:
             return (f"cupyrope::rope_fused_staged_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
                     f"{CUDA_TYPE_NAMES[self.table_dtype]}, {str(self.interleaved).lower()}, "
-                    f"{str(self.norm).lower()}, {str(self.cache).lower()}>")
+                    f"{str(self.norm).lower()}, {str(self.cache).lower()}, "
+                    f"{str(self.mrope).lower()}, {str(self.partial).lower()}>")
         if self.fused and self.lean and self.all_heads:
             return (f"cupyrope::rope_fused_lean_all_heads_kernel<{CUDA_TYPE_NAMES[self.dtype]}, "
                     f"{CUDA_TYPE_NAMES[self.table_dtype]}, true, "
@@ -156,10 +157,11 @@ def _fused_specialisations() -> tuple[KernelSpec, ...]:
     # (launch.fused_decode_applies).
     decode = [dataclasses.replace(spec, decode=True) for spec in lean]
     # The staged kernels: the lean layouts of 16-bit q / k from a cos_sin_cache with the norm, with
-    # and without the cache write (launch.fused_staged_applies).
-    staged = [dataclasses.replace(spec, staged=True) for spec in lean
-              if spec.norm and spec.dtype != "float32"
-              and spec.source == AngleSource.CACHE_TABLE]
+    # and without the cache write, and M-RoPE's and the partial rotation's with the norm or the
+    # cache write (launch.fused_staged_applies).
+    staged = [dataclasses.replace(spec, staged=True) for spec in lean + mrope + partial
+              if (spec.norm or ((spec.mrope or spec.partial) and spec.cache))
+              and spec.dtype != "float32" and spec.source == AngleSource.CACHE_TABLE]
     return tuple(specs + lean + mrope + partial + rows + all_heads + decode + staged)
 
 

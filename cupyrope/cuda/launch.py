@@ -23,7 +23,7 @@ from ..core.abi import (DECODE_PARAMS_DTYPE, FUSED_DECODE_PARAMS_DTYPE, FUSION_P
                          StoreFormat, WeightDtype, access_layout)
 from ..core.arrays import ArrayInfo, cupy_module, mark_written, stream_is_capturing, upload
 from ..core.dtypes import ITEMSIZE
-from ..core.mrope import MROPE_NONE, MROPE_SECTIONED
+from ..core.mrope import MROPE_INTERLEAVED, MROPE_NONE, MROPE_SECTIONED
 from ..core.fused_plan import STORE_FORMATS
 from .compiler import KernelSpec, RerotateSpec, get_kernel, is_compiled
 from .compiler import angle_arithmetic as device_angle_arithmetic
@@ -949,6 +949,19 @@ STAGED_STAGES = 4
 STAGED_MAX_THREADS = 192
 STAGED_NORM_MAX_TOKENS = 4096
 STAGED_CACHE_MAX_TOKENS = 32768
+# M-RoPE and the partial rotation (the norm, the cache write or both) take it from
+# STAGED_LAYOUT_MIN_TOKENS, with no upper bound but for sectioned M-RoPE's cache write without the
+# norm (up to STAGED_CACHE_MAX_TOKENS): the lean kernel's M-RoPE and partial layouts keep one
+# block fewer an SM, and interleaved M-RoPE looks up each pair's row. H200, the serving layouts
+# (bench --serving: Qwen2-VL sectioned, Qwen3-VL interleaved, rotary_dim D / 4 and D / 2), % of
+# an SM copy lean -> staged: rms_norm_rope T = 512 (CUDA graph) 74.7 / 56.6 / 80.8 / 80.7 ->
+# 67.3 / 64.7 / 70.4 / 71.5, T = 1024 87.3 / 72.6 / 83.9 / 79.5 -> 87.0 / 84.4 / 86.8 / 89.5,
+# T = 4096 75.1 / 60.1 / 70.3 / 76.6 -> 82.3 / 80.5 / 81.1 / 81.8, T = 65536 83.6-83.8 / 66.4 /
+# 79.1 / 84.8-85.1 -> 88.1-88.3 / 85.0 / 87.3 / 87.1-87.7; rope_and_cache T = 4096 82.5 / 68.8 /
+# 73.9 / 76.6 -> 85.7 / 84.8 / 87.3 / 87.0, T = 32768 (sectioned) 86.4 -> 87.5, T = 65536 87.2-87.4
+# / 73.4 / 83.3 / 86.0-86.4 -> 85.6-86.1 / 84.9 / 88.3 / 87.0-87.4.
+# measured: docs/perf_log.md#m-rope-and-partial-rotations-on-the-staged-kernel-h200-2026-11-29-seventh
+STAGED_LAYOUT_MIN_TOKENS = 1024
 # A stage of at most this many bytes (the reference shape's: 12.8 KB), so that the stages of at
 # least two blocks fit an SM's shared memory.
 STAGED_MAX_STAGE_BYTES = 24 * 1024
@@ -958,12 +971,13 @@ BLOCK_SHARED_RESERVED_BYTES = 1024  # ... of which the driver keeps this much a 
 
 def staged_stage_bytes(plan: RopePlan) -> int:
     """Bytes of one stage of the staged kernel (kernels_cu/fused_staged.cuh: StageLayout): a
-    token's q, k and (cache write) v heads, its cos and sin rows, a 16-byte flag word, rounded up
-    to whole 128-byte lines."""
+    token's q, k and (cache write) v heads, its cos and sin rows (interleaved M-RoPE: those of its
+    three position components), rounded up to whole 128-byte lines."""
     fusion = plan.fusion
     heads = plan.num_q_heads + plan.num_k_heads + (fusion.v.shape[1] if fusion.writes_cache else 0)
-    angles = (plan.rotary_dim // 2) * ITEMSIZE[plan.table.dtype]
-    return -(-(heads * plan.head_dim * ITEMSIZE[plan.q.dtype] + 2 * angles + 16) // 128) * 128
+    rows = 3 if plan.mrope_mode == MROPE_INTERLEAVED else 1
+    angles = rows * 2 * (plan.rotary_dim // 2) * ITEMSIZE[plan.table.dtype]
+    return -(-(heads * plan.head_dim * ITEMSIZE[plan.q.dtype] + angles) // 128) * 128
 
 
 def staged_shared_bytes(plan: RopePlan) -> int:
@@ -975,27 +989,37 @@ def fused_staged_applies(plan: RopePlan, outputs: list[ArrayInfo], *, memory_ban
                          compute_capability: int) -> bool:
     """Whether the staged fused kernel runs a launch that the lean fused kernel would (and the
     fused decode kernel does not): a Hopper GPU (``compute_capability`` 90-99: bulk copies and
-    the shared memory the stages take) of fast memory, the norm (with the cache write up to
-    STAGED_CACHE_MAX_TOKENS, alone up to STAGED_NORM_MAX_TOKENS), 16-bit q / k, a cos_sin_cache,
-    every dim rotated, no M-RoPE, stores of the input dtype, weights of q's dtype, and every row
-    a bulk copy moves contiguous and a whole number of 16-byte units (the lean layout's 16-byte
-    alignment gives their starts)."""
+    the shared memory the stages take) of fast memory; the norm of full rotations without M-RoPE
+    (with the cache write up to STAGED_CACHE_MAX_TOKENS, alone up to STAGED_NORM_MAX_TOKENS), or
+    M-RoPE or a partial rotation with the norm, the cache write or both from
+    STAGED_LAYOUT_MIN_TOKENS (sectioned M-RoPE's cache write without the norm up to
+    STAGED_CACHE_MAX_TOKENS); 16-bit q / k, a cos_sin_cache, stores of the input dtype, weights
+    of q's dtype, and every row a bulk copy moves contiguous and a whole number of 16-byte units
+    (the lean layout's 16-byte alignment gives their starts; sectioned M-RoPE's runs of pairs
+    too, each copied from its component's row)."""
     fusion = plan.fusion
     if not (90 <= compute_capability < 100 and memory_bandwidth >= FAST_MEMORY):
         return False
-    if not fusion.norm or fusion.q_weight is None or fusion.k_weight is None or plan.k is None:
+    if plan.k is None or (fusion.norm and (fusion.q_weight is None or fusion.k_weight is None)):
         return False
-    most = STAGED_CACHE_MAX_TOKENS if fusion.writes_cache else STAGED_NORM_MAX_TOKENS
-    if plan.num_tokens > most:
+    layout = bool(plan.mrope_mode) or plan.rotary_dim < plan.head_dim
+    if layout:
+        if not (fusion.norm or fusion.writes_cache) or plan.num_tokens < STAGED_LAYOUT_MIN_TOKENS:
+            return False
+        if (plan.mrope_mode == MROPE_SECTIONED and not fusion.norm
+                and plan.num_tokens > STAGED_CACHE_MAX_TOKENS):
+            return False
+    elif not fusion.norm or plan.num_tokens > (
+            STAGED_CACHE_MAX_TOKENS if fusion.writes_cache else STAGED_NORM_MAX_TOKENS):
         return False
     if (plan.q.dtype not in ("float16", "bfloat16") or plan.source != AngleSource.CACHE_TABLE
-            or plan.mrope_mode or plan.rotary_dim != plan.head_dim
-            or fusion.all_heads or fusion.row_scaled):
+            or plan.rotary_dim == 0 or fusion.all_heads or fusion.row_scaled):
         return False
     if (STORE_FORMATS.get(fusion.out_dtype, StoreFormat.INPUT) != StoreFormat.INPUT
             or STORE_FORMATS.get(fusion.cache_dtype, StoreFormat.INPUT) != StoreFormat.INPUT):
         return False
-    if fusion.q_weight.dtype != plan.q.dtype or fusion.k_weight.dtype != plan.q.dtype:
+    if fusion.norm and (fusion.q_weight.dtype != plan.q.dtype
+                        or fusion.k_weight.dtype != plan.q.dtype):
         return False
     d = plan.head_dim
     rows = [plan.q, plan.k, *outputs[:2]] + ([fusion.v] if fusion.writes_cache else [])
@@ -1009,7 +1033,17 @@ def fused_staged_applies(plan: RopePlan, outputs: list[ArrayInfo], *, memory_ban
             or (table.strides[0] * table_itemsize) % 16
             or ((plan.rotary_dim // 2) * table_itemsize) % 16):
         return False
+    if plan.mrope_mode == MROPE_SECTIONED and any(
+            (pairs * table_itemsize) % 16 for pairs in _mrope_runs(plan)):
+        return False
     return staged_stage_bytes(plan) <= STAGED_MAX_STAGE_BYTES
+
+
+def _mrope_runs(plan: RopePlan) -> tuple[int, int, int]:
+    """Sectioned M-RoPE's runs of pairs by component, as mrope_component assigns them (the third
+    takes the pairs the first two leave)."""
+    s0, s1 = plan.mrope_sections[0], plan.mrope_sections[1]
+    return s0, s1, plan.rotary_dim // 2 - s0 - s1
 
 
 def staged_geometry(plan: RopePlan, pairs: int, num_regs: int, multiprocessors: int,
@@ -1020,8 +1054,10 @@ def staged_geometry(plan: RopePlan, pairs: int, num_regs: int, multiprocessors: 
     the producer warp's rows; a persistent grid of the blocks an SM holds, at most one a token:
     ``resident_blocks(threads)``, the driver's count (:func:`occupancy_blocks`), or without it
     what registers and the stages' shared memory leave by the SM's limits (a count the driver
-    can undercut: the staged MLA kernel's, cupyrope/cuda/mla_launch.py)."""
-    chunks = (plan.rotary_dim // 2) // pairs
+    can undercut: the staged MLA kernel's, cupyrope/cuda/mla_launch.py). A partial rotation's
+    norm takes lanes for every dim (fused_staged.cuh: head_lanes)."""
+    partial_norm = plan.rotary_dim < plan.head_dim and plan.fusion.norm
+    chunks = (plan.head_dim if partial_norm else plan.rotary_dim) // 2 // pairs
     lanes = 1 << (chunks - 1).bit_length()
     group = 32 // lanes  # thread rows a warp
     heads = plan.num_q_heads + plan.num_k_heads
