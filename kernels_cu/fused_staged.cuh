@@ -70,7 +70,9 @@ struct StageLayout {
     return cos_at(row) + angle_bytes;
   }
   // Whole 128-byte lines, so that every stage starts on one.
-  __device__ __forceinline__ unsigned bytes() const { return (cos_at(angle_rows) + 127) / 128 * 128; }
+  __device__ __forceinline__ unsigned bytes() const {
+    return (cos_at(angle_rows) + 127) / 128 * 128;
+  }
 };
 
 // A position or slot as loaded, converted where it is used: the producer loads it a token or

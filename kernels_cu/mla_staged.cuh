@@ -73,7 +73,8 @@ __device__ __forceinline__ void mla_staged_fill(const MlaParams& p,
                                                 unsigned char* stage, unsigned long long* full,
                                                 long long token, long long position) {
   const unsigned size = static_cast<unsigned>(sizeof(T));
-  const unsigned angle_bytes = static_cast<unsigned>(p.rope_dim) * static_cast<unsigned>(sizeof(TableT));
+  const unsigned angle_bytes =
+      static_cast<unsigned>(p.rope_dim) * static_cast<unsigned>(sizeof(TableT));
   const bool angles = position >= 0 && position < p.max_position;
   // Written before the arrival below, which releases it to the consumers' wait.
   *reinterpret_cast<int*>(stage + s.flag) = angles;
@@ -93,8 +94,8 @@ __device__ __forceinline__ void mla_staged_fill(const MlaParams& p,
               s.kv_elements * size, full);
   }
   if (angles) {
-    bulk_load(stage + s.angles, static_cast<const TableT*>(p.table) + position * p.table_row_stride,
-              angle_bytes, full);
+    const TableT* row = static_cast<const TableT*>(p.table) + position * p.table_row_stride;
+    bulk_load(stage + s.angles, row, angle_bytes, full);
   }
 }
 
@@ -171,7 +172,9 @@ __device__ __forceinline__ void mla_staged_produce(const MlaParams& p,
     }
   }
   LoadedIndex next_position{0, 0, true};
-  if (kStagedStages < count) next_position = mla_staged_position(p, first + kStagedStages * step);
+  if (kStagedStages < count) {
+    next_position = mla_staged_position(p, first + kStagedStages * step);
+  }
   LoadedIndex next_slot{-1, 0, true};
   if (count > 0) next_slot = mla_staged_slot(p, first);
   for (int j = 0; j < count; ++j) {

@@ -130,9 +130,9 @@ def test_rule_refuses_computed_angles_and_strided_tables(randn, deepseek_cache):
     spec, p = _launch(randn, deepseek_cache)
     computed = dataclasses.replace(spec, source=AngleSource.COMPUTED)
     assert not mla_staged_applies(computed, p, **H200)
-    strided = dict(p=p.copy())
-    strided["p"]["table_col_stride"] = 2
-    assert not mla_staged_applies(spec, strided["p"], **H200)
+    strided = p.copy()
+    strided["table_col_stride"] = 2
+    assert not mla_staged_applies(spec, strided, **H200)
     unaligned = p.copy()
     unaligned["table_row_stride"] = ROPE + 2  # 264-byte rows: not 16-byte aligned
     assert not mla_staged_applies(spec, unaligned, **H200)

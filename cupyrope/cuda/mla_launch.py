@@ -160,7 +160,11 @@ def _mla_stage_parts(spec: MlaSpec, p: np.ndarray) -> list[int]:
 
 def mla_stage_bytes(spec: MlaSpec, p: np.ndarray) -> int:
     """Bytes of one stage (its parts, rounded up to whole 128-byte lines)."""
-    return -(-sum(_mla_stage_parts(spec, p)) // 128) * 128
+    return _whole_lines(_mla_stage_parts(spec, p))
+
+
+def _whole_lines(parts: list[int]) -> int:
+    return -(-sum(parts) // 128) * 128
 
 
 def mla_staged_shared_bytes(spec: MlaSpec, p: np.ndarray) -> int:
@@ -239,8 +243,8 @@ def mla_staged_applies(spec: MlaSpec, p: np.ndarray, *, memory_bandwidth: float,
             or (int(p["table_row_stride"]) * table) % 16):
         return False
     parts = _mla_stage_parts(spec, p)
-    return all(part % 16 == 0 for part in parts) and (
-        mla_stage_bytes(spec, p) <= MLA_STAGED_MAX_STAGE_BYTES)
+    return (all(part % 16 == 0 for part in parts)
+            and _whole_lines(parts) <= MLA_STAGED_MAX_STAGE_BYTES)
 
 
 def mla_staged_geometry(p: np.ndarray, resident: int,
