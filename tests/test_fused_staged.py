@@ -318,3 +318,44 @@ def test_staged_kernel_partial_rotation_matches_the_reference(backend, rng, stag
     (spec,) = planned_launches
     assert spec.kernel.staged and spec.kernel.partial, spec.kernel
     assert (spec.kernel.norm, spec.kernel.cache) == ("norm" in op, "cache" in op)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS, indirect=True)
+@pytest.mark.parametrize("T", [1, 37, 3001])
+@pytest.mark.parametrize("D,Hq,Hk", [(80, 32, 4), (96, 8, 1), (128, 6, 2)])
+@pytest.mark.parametrize("dtype,interleaved,table_dtype", [
+    ("bfloat16", False, "float32"), ("float16", True, "float16")])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_staged_kernel_runs_apply_rope(backend, rng, staged, planned_launches, monkeypatch, T,
+                                       D, Hq, Hk, dtype, interleaved, table_dtype, inplace):
+    """apply_rope on the staged kernel with neither norm nor cache write (the library takes it
+    for in place heads of 5 and 6 lanes, many a token, from PLAIN_STAGED_MIN_TOKENS; here every
+    lane and head count, in place or not, from one token): rows in, rotated in shared memory,
+    rows out."""
+    from cupyrope.cuda import launch
+
+    monkeypatch.setattr(launch, "PLAIN_STAGED_MIN_TOKENS", 1)
+    monkeypatch.setattr(launch, "PLAIN_STAGED_LANES", frozenset(range(1, 33)))
+    monkeypatch.setattr(launch, "PLAIN_STAGED_MIN_HEADS", 1)
+    monkeypatch.setattr(launch, "PLAIN_STAGED_IN_PLACE_ONLY", False)
+    monkeypatch.setattr(launch, "DECODE_MAX_TOKENS", 0)  # few tokens: not the decode kernel
+    max_position = 4096
+    positions = rng.integers(0, max_position, T)
+    if T > 5:
+        positions[5] = -1  # outside the cache: NaN rows
+    table = cr.cos_sin_cache(max_position, D, dtype=table_dtype)
+    q = (rng.standard_normal((T, Hq, D)) * 3).astype(np_dtype(dtype))
+    k = (rng.standard_normal((T, Hk, D)) * 3).astype(np_dtype(dtype))
+    qb, kb = backend.put(q), backend.put(k)
+    q_out, k_out = cr.apply_rope(qb, kb, backend.put(positions), cos_sin_cache=backend.put(table),
+                                 interleaved=interleaved, inplace=inplace)
+    for x, out, name in ((q, q_out, "q"), (k, k_out, "k")):
+        expected = reference_rope(x, positions, cos_sin_cache=table, interleaved=interleaved)
+        _assert_with_nan_rows(host_values(backend, out), expected, dtype, f"{backend} {name}")
+    if inplace:
+        expected = reference_rope(q, positions, cos_sin_cache=table, interleaved=interleaved)
+        _assert_with_nan_rows(host_values(backend, qb), expected, dtype, "q in place")
+    else:
+        np.testing.assert_array_equal(host_values(backend, qb), q)  # the input untouched
+    (spec,) = planned_launches
+    assert spec.kernel.staged and not (spec.kernel.norm or spec.kernel.cache), spec.kernel

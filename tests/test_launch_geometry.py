@@ -393,6 +393,50 @@ def test_staged_kernel_takes_mrope_and_partial_rotations_from_a_few_hundred_toke
             assert not spec.kernel.staged, T
 
 
+def _rope_launch(T, D, hq, hk, *, inplace=True, dtype=ml_dtypes.bfloat16, **device):
+    """plan_launch of apply_rope on NumPy arrays (host addresses stand in for device ones)."""
+    from cupyrope.core.arrays import describe
+
+    q, k = np.zeros((T, hq, D), dtype), np.zeros((T, hk, D), dtype)
+    plan = plan_rope(q, k, np.arange(T), cos_sin_cache=np.zeros((4096, D), np.float32),
+                     inplace=inplace)
+    outputs = [plan.q, plan.k] if inplace else [describe(np.zeros_like(q), "q_out"),
+                                                describe(np.zeros_like(k), "k_out")]
+    return launch.plan_launch(plan, outputs, num_regs=lambda spec: 56, multiprocessors=132,
+                              **device), plan
+
+
+def test_staged_kernel_takes_apply_rope_in_place_of_many_uneven_heads():
+    """apply_rope in place of bf16 heads of 80 or 96 (5 or 6 lanes), at least
+    PLAIN_STAGED_MIN_HEADS a token and PLAIN_STAGED_MIN_TOKENS tokens, runs the staged kernel with
+    neither norm nor cache write on a Hopper GPU of fast memory; out of place, fewer heads
+    (tensor-parallel shards), heads of 128, fewer tokens, slower memory or another GPU keep the
+    lean launches."""
+    from cupyrope.cuda import compiler
+
+    hopper = dict(memory_bandwidth=launch.FAST_MEMORY, compute_capability=90)
+    least = launch.PLAIN_STAGED_MIN_TOKENS
+    for D, hq, hk in ((80, 32, 4), (96, 32, 8), (80, 16, 4)):
+        spec, plan = _rope_launch(least, D, hq, hk, **hopper)
+        assert spec.kernel.staged and spec.kernel.fused, (D, hq, hk, spec.kernel)
+        assert not (spec.kernel.norm or spec.kernel.cache or spec.kernel.mrope)
+        assert spec.kernel in compiler.ALL_SPECIALISATIONS
+        assert spec.shared_bytes == launch.staged_shared_bytes(plan)
+        assert spec.fusion_params is not None and not spec.fusion_params.tobytes().strip(b"\0")
+        assert spec.block[0] == 8 and spec.block[0] * spec.block[1] <= launch.STAGED_MAX_THREADS
+    assert launch.staged_stage_bytes(plan) == 28 * 128  # 16 / 4 heads of 80 and the angles: 3520
+    for spec, _ in (_rope_launch(least, 80, 32, 4, inplace=False, **hopper),
+                    _rope_launch(least, 80, 16, 2, **hopper),  # 18 heads
+                    _rope_launch(least, 80, 8, 1, **hopper),
+                    _rope_launch(least, 128, 32, 8, **hopper),
+                    _rope_launch(least - 1, 80, 32, 4, **hopper),
+                    _rope_launch(least, 80, 32, 4, dtype=np.float32, **hopper),
+                    _rope_launch(least, 80, 32, 4, **dict(hopper, compute_capability=80)),
+                    _rope_launch(least, 80, 32, 4,
+                                 **dict(hopper, memory_bandwidth=launch.FAST_MEMORY / 2))):
+        assert not spec.kernel.staged, spec.kernel
+
+
 def test_staged_geometry_is_whole_warps_and_a_persistent_grid():
     """A staged block: lanes a head (a power of two), thread rows in whole warps for the rotated
     heads up to STAGED_MAX_THREADS - 32 threads, then the producer warp's rows; a grid of the

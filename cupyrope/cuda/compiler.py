@@ -156,12 +156,12 @@ def _fused_specialisations() -> tuple[KernelSpec, ...]:
     # The fused decode kernels: the lean fused layouts without M-RoPE, few tokens
     # (launch.fused_decode_applies).
     decode = [dataclasses.replace(spec, decode=True) for spec in lean]
-    # The staged kernels: the lean layouts of 16-bit q / k from a cos_sin_cache with the norm, with
-    # and without the cache write, and M-RoPE's and the partial rotation's with the norm or the
-    # cache write (launch.fused_staged_applies).
+    # The staged kernels: the lean layouts of 16-bit q / k from a cos_sin_cache with the norm, the
+    # cache write or both (the last two for M-RoPE and partial rotations:
+    # launch.fused_staged_applies), and with neither for apply_rope (launch.plain_staged_applies).
     staged = [dataclasses.replace(spec, staged=True) for spec in lean + mrope + partial
-              if (spec.norm or ((spec.mrope or spec.partial) and spec.cache))
-              and spec.dtype != "float32" and spec.source == AngleSource.CACHE_TABLE]
+              if spec.dtype != "float32" and spec.source == AngleSource.CACHE_TABLE
+              and (spec.norm or spec.cache or not (spec.mrope or spec.partial))]
     return tuple(specs + lean + mrope + partial + rows + all_heads + decode + staged)
 
 

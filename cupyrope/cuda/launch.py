@@ -422,15 +422,9 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                               sin_offset, vector, fused_decode_struct(fusion_params))
         if lean and fused_staged_applies(plan, outputs, memory_bandwidth=memory_bandwidth,
                                          compute_capability=compute_capability):
-            staged = dataclasses.replace(spec, staged=True)
-            shared_bytes = staged_shared_bytes(plan)
-            resident = None
-            if resident_blocks is not None:
-                resident = functools.partial(resident_blocks, staged, shared_bytes=shared_bytes)
-            block, grid = staged_geometry(plan, pairs, num_regs(staged), multiprocessors,
-                                          shared_bytes, resident)
-            return LaunchSpec(staged, p, grid, block, shared_bytes, pointers, sin_offset, vector,
-                              fusion_params)
+            return _staged_launch(plan, dataclasses.replace(spec, staged=True), p, pairs,
+                                  num_regs, multiprocessors, resident_blocks, pointers,
+                                  sin_offset, vector, fusion_params)
         fusion_params["ring"] = ring
         extra_heads = plan.num_k_heads if fusion.writes_cache else 0
         if fusion.all_heads:
@@ -462,6 +456,14 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                         if plan.source == AngleSource.COMPUTED else 0)
         return LaunchSpec(dataclasses.replace(spec, decode=True), decode_struct(p, plan.source),
                           grid, block, shared_bytes, pointers, sin_offset, vector)
+    if lean and plain_staged_applies(plan, outputs, lanes=(plan.rotary_dim // 2) // pairs,
+                                     memory_bandwidth=memory_bandwidth,
+                                     compute_capability=compute_capability):
+        # The staged fused kernel with no fusion: its FusionParams all zero (stores of the input
+        # dtype, no norm, no cache).
+        return _staged_launch(plan, dataclasses.replace(spec, fused=True, staged=True), p, pairs,
+                              num_regs, multiprocessors, resident_blocks, pointers, sin_offset,
+                              vector, np.zeros((), dtype=FUSION_PARAMS_DTYPE))
     block, grid = launch_geometry(plan, access, pairs, copy_pass, num_regs(spec), multiprocessors,
                                   plain=True, memory_bandwidth=memory_bandwidth)
     shared_bytes = shared_angle_bytes(plan, spec, block)
@@ -472,6 +474,22 @@ def plan_launch(plan: RopePlan, outputs: list[ArrayInfo], *, inv_freq_ptr: int =
                                       memory_bandwidth=memory_bandwidth)
         shared_bytes = 0
     return LaunchSpec(spec, p, grid, block, shared_bytes, pointers, sin_offset, vector)
+
+
+def _staged_launch(plan: RopePlan, staged: KernelSpec, p: np.ndarray, pairs: int,
+                   num_regs: Callable[[KernelSpec], int], multiprocessors: int,
+                   resident_blocks: Callable[..., int] | None, pointers: tuple, sin_offset,
+                   vector: bool, fusion_params: np.ndarray) -> LaunchSpec:
+    """The launch of the staged kernel ``staged``: its stages' shared memory, and a persistent
+    grid of the blocks an SM holds (the driver's count where ``resident_blocks`` is given)."""
+    shared_bytes = staged_shared_bytes(plan)
+    resident = None
+    if resident_blocks is not None:
+        resident = functools.partial(resident_blocks, staged, shared_bytes=shared_bytes)
+    block, grid = staged_geometry(plan, pairs, num_regs(staged), multiprocessors, shared_bytes,
+                                  resident)
+    return LaunchSpec(staged, p, grid, block, shared_bytes, pointers, sin_offset, vector,
+                      fusion_params)
 
 
 def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
@@ -929,8 +947,8 @@ def fused_decode_applies(plan: RopePlan, *, pairs: int, angle_arithmetic: str | 
 
 def fused_v_heads(fusion) -> int:
     """The v heads a fused launch copies into the v cache (one thread row each on the decode
-    kernel)."""
-    return fusion.v.shape[1] if fusion.writes_cache else 0
+    kernel; none without a fusion)."""
+    return fusion.v.shape[1] if fusion is not None and fusion.writes_cache else 0
 
 
 # The staged fused kernel (kernels_cu/fused_staged.cuh): the norm's launches past the fused decode
@@ -962,6 +980,22 @@ STAGED_CACHE_MAX_TOKENS = 32768
 # / 73.4 / 83.3 / 86.0-86.4 -> 85.6-86.1 / 84.9 / 88.3 / 87.0-87.4.
 # measured: docs/perf_log.md#m-rope-and-partial-rotations-on-the-staged-kernel-h200-2026-11-29-seventh
 STAGED_LAYOUT_MIN_TOKENS = 1024
+# apply_rope's launches the staged kernel takes (plain_staged_applies): in place, heads of 5 or 6
+# lanes (bf16 / fp16 NeoX heads of 80 or 96), at least PLAIN_STAGED_MIN_HEADS of q and k a token,
+# from PLAIN_STAGED_MIN_TOKENS tokens. In place, the lean launches of those heads rewrite lines
+# that other warps still read (ncu, same geometry in place / out of place: 274.8 / 210.5 us,
+# drain stalls 288 / 9 cycles a warp); whole rows through shared memory write whole lines. H200,
+# bf16, fp32 table, % of an SM copy in place, lean -> staged: D = 80, q / k 32 / 4 T = 4096 /
+# 16384 / 65536 80.1 / 83.1 / 84.0 -> 85.8 / 89.5 / 88.1-88.6, 32 / 8 T = 16384 / 65536 82.4 /
+# 83.4 -> 88.2 / 89.1, 32 / 32 (T = 32768) 87.5 -> 89.7, 16 / 4 78.5 -> 83.4; D = 96 32 / 4
+# T = 16384 / 65536 85.6 / 86.3 -> 89.0 / 88.2, 32 / 32 88.6 -> 90.4. Fewer heads lose (16 / 2
+# 81.7 -> 79.6, tensor-parallel shards of 5-10 heads 5-22 points), and out of place the lean
+# launches stay ahead from 16384 tokens (91.4 -> 85.6 at D = 80, 32 / 4).
+# measured: docs/perf_log.md#apply_rope-in-place-on-the-staged-kernel-h200-2026-11-29-seventh
+PLAIN_STAGED_LANES = frozenset({5, 6})
+PLAIN_STAGED_MIN_HEADS = 20
+PLAIN_STAGED_IN_PLACE_ONLY = True
+PLAIN_STAGED_MIN_TOKENS = 4096
 # A stage of at most this many bytes (the reference shape's: 12.8 KB), so that the stages of at
 # least two blocks fit an SM's shared memory.
 STAGED_MAX_STAGE_BYTES = 24 * 1024
@@ -974,7 +1008,7 @@ def staged_stage_bytes(plan: RopePlan) -> int:
     token's q, k and (cache write) v heads, its cos and sin rows (interleaved M-RoPE: those of its
     three position components), rounded up to whole 128-byte lines."""
     fusion = plan.fusion
-    heads = plan.num_q_heads + plan.num_k_heads + (fusion.v.shape[1] if fusion.writes_cache else 0)
+    heads = plan.num_q_heads + plan.num_k_heads + fused_v_heads(fusion)
     rows = 3 if plan.mrope_mode == MROPE_INTERLEAVED else 1
     angles = rows * 2 * (plan.rotary_dim // 2) * ITEMSIZE[plan.table.dtype]
     return -(-(heads * plan.head_dim * ITEMSIZE[plan.q.dtype] + angles) // 128) * 128
@@ -1021,22 +1055,49 @@ def fused_staged_applies(plan: RopePlan, outputs: list[ArrayInfo], *, memory_ban
     if fusion.norm and (fusion.q_weight.dtype != plan.q.dtype
                         or fusion.k_weight.dtype != plan.q.dtype):
         return False
-    d = plan.head_dim
-    rows = [plan.q, plan.k, *outputs[:2]] + ([fusion.v] if fusion.writes_cache else [])
-    if any(info.strides[-2] != d for info in rows):
-        return False  # heads contiguous: a token's heads are one row
-    # 16-byte table rows: the lean layout's table_vector_ok asks only for the alignment of a
-    # lane's pairs (8 bytes for GPT-J pairs of a 16-bit table).
-    table = plan.table
-    table_itemsize = ITEMSIZE[table.dtype]
-    if (plan.cos_col_stride != 1 or plan.sin_col_stride != 1 or table.ptr % 16
-            or (table.strides[0] * table_itemsize) % 16
-            or ((plan.rotary_dim // 2) * table_itemsize) % 16):
+    if not _staged_rows_ok(plan, outputs):
         return False
     if plan.mrope_mode == MROPE_SECTIONED and any(
-            (pairs * table_itemsize) % 16 for pairs in _mrope_runs(plan)):
+            (pairs * ITEMSIZE[plan.table.dtype]) % 16 for pairs in _mrope_runs(plan)):
         return False
     return staged_stage_bytes(plan) <= STAGED_MAX_STAGE_BYTES
+
+
+def _staged_rows_ok(plan: RopePlan, outputs: list[ArrayInfo]) -> bool:
+    """Whether a staged launch's bulk copies can move its rows: a token's heads one contiguous
+    row in q, k, their outputs and (cache write) v, and table rows of whole 16-byte units (the
+    lean layout's table_vector_ok asks only for the alignment of a lane's pairs: 8 bytes for
+    GPT-J pairs of a 16-bit table)."""
+    fusion = plan.fusion
+    d = plan.head_dim
+    rows = [plan.q, plan.k, *outputs[:2]] + ([fusion.v] if fused_v_heads(fusion) else [])
+    if any(info.strides[-2] != d for info in rows):
+        return False
+    table = plan.table
+    table_itemsize = ITEMSIZE[table.dtype]
+    return not (plan.cos_col_stride != 1 or plan.sin_col_stride != 1 or table.ptr % 16
+                or (table.strides[0] * table_itemsize) % 16
+                or ((plan.rotary_dim // 2) * table_itemsize) % 16)
+
+
+def plain_staged_applies(plan: RopePlan, outputs: list[ArrayInfo], *, lanes: int,
+                         memory_bandwidth: float, compute_capability: int) -> bool:
+    """Whether ``apply_rope`` (no fusion) of a lean launch runs the staged kernel instead
+    (NORM and CACHE off: rows in, rotated in shared memory, rows out): a Hopper GPU of fast
+    memory, at least PLAIN_STAGED_MIN_TOKENS tokens, q and k of 16 bits from a cos_sin_cache,
+    full rotation, heads of ``lanes`` chunks (a thread row a head) in PLAIN_STAGED_LANES, at least
+    PLAIN_STAGED_MIN_HEADS of them a token, in place where PLAIN_STAGED_IN_PLACE_ONLY, and every
+    row a bulk copy moves contiguous and a whole number of 16-byte units."""
+    if not (90 <= compute_capability < 100 and memory_bandwidth >= FAST_MEMORY):
+        return False
+    if (plan.k is None or plan.num_tokens < PLAIN_STAGED_MIN_TOKENS
+            or lanes not in PLAIN_STAGED_LANES or (PLAIN_STAGED_IN_PLACE_ONLY and not plan.inplace)
+            or plan.num_q_heads + plan.num_k_heads < PLAIN_STAGED_MIN_HEADS
+            or plan.q.dtype not in ("float16", "bfloat16")
+            or plan.source != AngleSource.CACHE_TABLE or plan.mrope_mode
+            or plan.rotary_dim != plan.head_dim):
+        return False
+    return _staged_rows_ok(plan, outputs) and staged_stage_bytes(plan) <= STAGED_MAX_STAGE_BYTES
 
 
 def _mrope_runs(plan: RopePlan) -> tuple[int, int, int]:
@@ -1056,7 +1117,8 @@ def staged_geometry(plan: RopePlan, pairs: int, num_regs: int, multiprocessors: 
     what registers and the stages' shared memory leave by the SM's limits (a count the driver
     can undercut: the staged MLA kernel's, cupyrope/cuda/mla_launch.py). A partial rotation's
     norm takes lanes for every dim (fused_staged.cuh: head_lanes)."""
-    partial_norm = plan.rotary_dim < plan.head_dim and plan.fusion.norm
+    partial_norm = (plan.rotary_dim < plan.head_dim and plan.fusion is not None
+                    and plan.fusion.norm)
     chunks = (plan.head_dim if partial_norm else plan.rotary_dim) // 2 // pairs
     lanes = 1 << (chunks - 1).bit_length()
     group = 32 // lanes  # thread rows a warp
