@@ -668,7 +668,7 @@ def test_occupancy_is_the_drivers_asked_once_a_kernel_and_size(monkeypatch):
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(driver=driver, runtime=runtime))
     monkeypatch.setattr(launch, "cupy_module", lambda: fake)
     monkeypatch.setattr(launch, "_occupancies", {})
-    monkeypatch.setattr(launch, "_shared_opt_ins", set())
+    monkeypatch.setattr(launch, "_shared_opt_ins", {})
     kernel = types.SimpleNamespace(ptr=0xABC)
     assert launch.occupancy_blocks(kernel, 0, 160, 45632, "op") == 4
     assert launch.occupancy_blocks(kernel, 0, 160, 45632, "op") == 4
@@ -676,3 +676,31 @@ def test_occupancy_is_the_drivers_asked_once_a_kernel_and_size(monkeypatch):
     calls.clear()
     assert launch.occupancy_blocks(kernel, 0, 160, 60 * 1024, "op") == 4
     assert calls == [("allow", 0xABC, 60 * 1024), ("ask", 0xABC, 160, 60 * 1024)]
+
+
+def test_shared_memory_opt_in_is_only_ever_raised(monkeypatch):
+    """A kernel's bound on dynamic shared memory is one attribute: launches of a size opted in
+    before must still find it after a smaller launch of the same kernel opted in (a bound
+    lowered under them failed with CUDA_ERROR_INVALID_VALUE: the staged kernels take stages of
+    different sizes by shape)."""
+    import types
+
+    allowed = {}
+    driver = types.SimpleNamespace(
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES=8,
+        funcSetAttribute=lambda ptr, attribute, value: allowed.__setitem__(ptr, value))
+    runtime = types.SimpleNamespace(
+        getDeviceProperties=lambda device: {"sharedMemPerBlockOptin": 227 * 1024})
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(driver=driver, runtime=runtime))
+    monkeypatch.setattr(launch, "cupy_module", lambda: fake)
+    monkeypatch.setattr(launch, "_shared_opt_ins", {})
+    kernel, other = types.SimpleNamespace(ptr=0xABC), types.SimpleNamespace(ptr=0xDEF)
+    for nbytes in (60 * 1024, 50 * 1024, 60 * 1024, 49 * 1024):
+        launch.allow_shared_bytes(kernel, 0, nbytes, "op")
+        assert allowed[0xABC] >= nbytes
+    assert allowed == {0xABC: 60 * 1024}
+    launch.allow_shared_bytes(other, 0, 52 * 1024, "op")
+    launch.allow_shared_bytes(kernel, 0, 90 * 1024, "op")
+    assert allowed == {0xABC: 90 * 1024, 0xDEF: 52 * 1024}
+    with pytest.raises(ValueError, match="more than this GPU's"):
+        launch.allow_shared_bytes(kernel, 0, 228 * 1024, "op")

@@ -1204,16 +1204,16 @@ def all_heads_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool,
     return (lanes, rows, 1), (min(plan.num_tokens, wave), 1)
 
 
-# (kernel handle, bytes) whose opt-in to more dynamic shared memory is made (the attribute
-# stays with the loaded function).
-_shared_opt_ins: set[tuple[int, int]] = set()
+# kernel handle -> the dynamic shared memory its launches are allowed (the attribute stays with
+# the loaded function; loaded modules are never unloaded).
+_shared_opt_ins: dict[int, int] = {}
 
 
 def allow_shared_bytes(kernel, device: int, nbytes: int, op_name: str) -> None:
     """Let ``kernel`` launch with ``nbytes`` of dynamic shared memory, past the 48 KiB every
     launch may use (the norm over all heads keeps the weights of every head there), or raise
     ValueError before any launch where the device allows less."""
-    if (kernel.ptr, nbytes) in _shared_opt_ins:
+    if nbytes <= _shared_opt_ins.get(kernel.ptr, 0):
         return
     cupy = cupy_module()
     most = cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"]
@@ -1222,9 +1222,11 @@ def allow_shared_bytes(kernel, device: int, nbytes: int, op_name: str) -> None:
                          "norm_over='all_heads', the norm weights of every q and k head as "
                          f"float32), more than this GPU's {most}: normalise with fewer heads a "
                          "call (the norm over all heads reads every head of a token at once)")
+    # The attribute is one bound a kernel: only ever raised, so that a later launch of a size
+    # opted in before never finds it lowered by a smaller one in between (CUDA_ERROR_INVALID_VALUE).
     cupy.cuda.driver.funcSetAttribute(
         kernel.ptr, cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
-    _shared_opt_ins.add((kernel.ptr, nbytes))
+    _shared_opt_ins[kernel.ptr] = nbytes
 
 
 _occupancies: dict = {}  # (kernel pointer, threads, shared bytes) -> blocks an SM holds
