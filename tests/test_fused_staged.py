@@ -240,6 +240,16 @@ def _check_caches(backend, caches, expected_k, dtype):
     assert not got_k[untouched].any() and not got_v[untouched].any(), "stray cache write"
 
 
+def _check_caches_and_kernel(backend, caches, expected_k, dtype, planned_launches, op, kind):
+    """The cache rows of a cache op (``caches``: _staged_fused_call's), and that the one launch
+    was the staged kernel's ``kind`` ("mrope", "partial") specialisation with ``op``'s fusions."""
+    if caches is not None:
+        _check_caches(backend, caches, expected_k, dtype)
+    (spec,) = planned_launches
+    assert spec.kernel.staged and getattr(spec.kernel, kind), spec.kernel
+    assert (spec.kernel.norm, spec.kernel.cache) == ("norm" in op, "cache" in op)
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS, indirect=True)
 @pytest.mark.parametrize("T", [37, 3001])
 @pytest.mark.parametrize("interleaved_mrope", [False, True], ids=["sectioned", "interleaved"])
@@ -272,11 +282,7 @@ def test_staged_kernel_mrope_matches_the_reference(backend, rng, staged, planned
         expected[name] = reference_rope(inputs[name], cos=cos, sin=sin, rotary_dim=D)
         _assert_close_with_nans(host_values(backend, out), expected[name], dtype,
                                 f"{backend} {name}")
-    if caches is not None:
-        _check_caches(backend, caches, expected["k"], dtype)
-    (spec,) = planned_launches
-    assert spec.kernel.staged and spec.kernel.mrope, spec.kernel
-    assert (spec.kernel.norm, spec.kernel.cache) == ("norm" in op, "cache" in op)
+    _check_caches_and_kernel(backend, caches, expected["k"], dtype, planned_launches, op, "mrope")
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS, indirect=True)
@@ -313,11 +319,8 @@ def test_staged_kernel_partial_rotation_matches_the_reference(backend, rng, stag
         if "norm" not in op:  # dims past rotary_dim: the input's bits
             np.testing.assert_array_equal(got[..., rotary_dim:].view(np.uint16),
                                           x[..., rotary_dim:].view(np.uint16))
-    if caches is not None:
-        _check_caches(backend, caches, expected["k"], dtype)
-    (spec,) = planned_launches
-    assert spec.kernel.staged and spec.kernel.partial, spec.kernel
-    assert (spec.kernel.norm, spec.kernel.cache) == ("norm" in op, "cache" in op)
+    _check_caches_and_kernel(backend, caches, expected["k"], dtype, planned_launches, op,
+                             "partial")
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS, indirect=True)
