@@ -43,6 +43,10 @@ struct RerotateParams {
   // (NHD [blocks, block_size, heads, D] and HND [blocks, heads, block_size, D] alike).
   long long block_stride, row_stride, head_stride;
   long long num_heads;
+  // The staged kernel's stages (rerotate_staged.cuh; the host lays them out and zeroes these for
+  // rerotate_cache_kernel): entries of `slots` a stage, heads a consumer item, a stage's bytes,
+  // where its rows and its table rows start.
+  long long stage_slots, heads_per_item, stage_bytes, rows_at, angles_at;
 
   double scale_value;
 };

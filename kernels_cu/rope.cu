@@ -32,6 +32,7 @@
 #include "mla_staged.cuh"
 #include "numeric.cuh"
 #include "rerotate.cuh"
+#include "rerotate_staged.cuh"
 #include "rope_params.cuh"
 #include "rotation.cuh"
 #include "thread_index.cuh"
@@ -386,6 +387,20 @@ __global__ __launch_bounds__(kMaxThreadsPerBlock,
                              RerotateMinBlocksPerSM<T, VECTOR, INTERLEAVED>::value)
 void rerotate_cache_kernel(const RopeParams p, const RerotateParams r) {
   rerotate_slots<T, TableT, VECTOR, INTERLEAVED, SOURCE, FORMAT>(p, r);
+}
+
+// The re-rotation with the slots' rows moved by bulk copies through shared-memory stages
+// (rerotate_staged.cuh), on Hopper GPUs of fast memory (launch.rerotate_staged_applies: many
+// slots, rows of whole 16-byte units). Built for an architecture without bulk copies it traps:
+// no launch picks it there.
+template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, int FORMAT>
+__global__ __launch_bounds__(kReroStagedThreads, kReroStagedMinBlocksPerSM)
+void rerotate_staged_kernel(const RopeParams p, const RerotateParams r) {
+#if CUPYROPE_BULK_COPY
+  rerotate_staged_slots<T, TableT, INTERLEAVED, SOURCE, FORMAT>(p, r);
+#else
+  __trap();
+#endif
 }
 
 }  // namespace cupyrope

@@ -199,20 +199,140 @@ def test_rerotate_matches_the_reference(backend, rng, name, source, case):
     else:
         np.testing.assert_array_equal(get_cache(backend, cache, name).view(np.uint8),
                                       stored.view(np.uint8))  # JAX: a new cache, input untouched
-    got = slot_rows(get_cache(backend, out, name), layout)
-    before = slot_rows(stored, layout)
     valid = slots >= 0
-    deltas = np.broadcast_to(np.asarray(delta), slots.shape)[valid]
-    exact = exact_rows(rows64[slots[valid]], deltas, rotary_dim, interleaved, table)
+    _check_rerotated(slot_rows(get_cache(backend, out, name), layout), stored, rows64,
+                     slots[valid], np.broadcast_to(np.asarray(delta), slots.shape)[valid],
+                     rotary_dim, interleaved, table, name, layout)
+
+
+def _check_rerotated(got, stored, rows64, named, deltas, rotary_dim, interleaved, table, name,
+                     layout) -> None:
+    """The slots ``named`` (re-rotated by ``deltas``) of the cache rows ``got`` within one
+    rounding of the exact re-rotation of ``rows64``; dims past rotary_dim and every slot not named
+    bit for bit as ``stored``."""
+    before = slot_rows(stored, layout)
+    exact = exact_rows(rows64[named], deltas, rotary_dim, interleaved, table)
     max_angle = float(np.abs(deltas).max()) if table is None else 0.0
-    assert_one_rounding(got[slots[valid]][..., :rotary_dim], exact[..., :rotary_dim],
-                        pair_magnitude(rows64[slots[valid]], rotary_dim, interleaved), name,
-                        scale=scale, max_angle=max_angle)
+    assert_one_rounding(got[named][..., :rotary_dim], exact[..., :rotary_dim],
+                        pair_magnitude(rows64[named], rotary_dim, interleaved), name,
+                        scale=FP8_SCALE.get(name, 1.0), max_angle=max_angle)
     # Dims past rotary_dim and every slot not named: bit for bit as they were.
-    np.testing.assert_array_equal(got[slots[valid]][..., rotary_dim:].view(np.uint8),
-                                  before[slots[valid]][..., rotary_dim:].view(np.uint8))
-    untouched = np.setdiff1d(np.arange(num_slots), slots[valid])
+    np.testing.assert_array_equal(got[named][..., rotary_dim:].view(np.uint8),
+                                  before[named][..., rotary_dim:].view(np.uint8))
+    untouched = np.setdiff1d(np.arange(len(before)), named)
     np.testing.assert_array_equal(got[untouched].view(np.uint8), before[untouched].view(np.uint8))
+
+
+# The staged re-rotation (kernels_cu/rerotate_staged.cuh: Hopper GPUs of fast memory, from
+# launch.RERO_STAGED_MIN_ROWS rows) on caches small enough for every layout it takes: the GPU's
+# bandwidth and the threshold set, one SM's blocks so that each block's ring of stages wraps many
+# times. (layout, interleaved, head_dim, rotary_dim, heads, block_size): NHD, HND of one-slot
+# blocks (a slot's heads side by side there too), GPT-J pairs, partial rotations, heads wider than
+# the rotation (bf16 from a table: 15 entries a stage, fewer than the items ask for, to stay
+# within launch.RERO_STAGED_MAX_STAGE_BYTES).
+STAGED_CASES = [("NHD", False, 128, 128, 8, 16), ("HND", False, 128, 128, 8, 1),
+                ("NHD", True, 128, 128, 8, 16), ("HND", True, 128, 64, 4, 1),
+                ("NHD", False, 256, 128, 2, 16)]
+# (cache format, angle source): computed angles, a float32 table, a table of the cache's 16 bits.
+STAGED_SOURCES = ([(name, "computed") for name in FORMATS] + [(name, "float32") for name in FORMATS]
+                  + [("float16", "float16"), ("bfloat16", "bfloat16")])
+
+
+@pytest.fixture
+def rerotate_launches(monkeypatch) -> list:
+    """The LaunchSpec of every re-rotation the test plans, in order."""
+    from cupyrope.cuda import launch
+
+    planned, plan = [], launch.plan_rerotate_launch
+
+    def recording(*args, **kwargs):
+        planned.append(plan(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(launch, "plan_rerotate_launch", recording)
+    return planned
+
+
+def _staged_only(monkeypatch, multiprocessors):
+    import cupy
+
+    from cupyrope.cuda import launch
+
+    if cupy.cuda.Device().compute_capability[:-1] != "9":
+        pytest.skip("the staged re-rotation runs on Hopper GPUs (compute capability 9.x)")
+    monkeypatch.setattr(launch, "_memory_bandwidth", lambda device: 4.8e12)
+    if multiprocessors is not None:
+        monkeypatch.setattr(launch, "_multiprocessors", lambda device: multiprocessors)
+
+
+@pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
+@pytest.mark.parametrize("name,source", STAGED_SOURCES, ids=[f"{n}-{s}" for n, s in STAGED_SOURCES])
+@pytest.mark.parametrize("case", STAGED_CASES, ids=["NHD-neox", "HND-neox", "NHD-gptj",
+                                                    "HND-gptj-partial", "NHD-256-partial"])
+def test_staged_rerotation_matches_the_reference(backend, rng, monkeypatch, rerotate_launches,
+                                                 name, source, case):
+    """Each named slot's rotated dims within one rounding of the float64 re-rotation (a delta
+    outside the table: NaN in its slot's rotated dims), dims past rotary_dim and every other slot
+    bit for bit as they were (skipped slots: -1 and one past the cache), through the staged
+    kernel."""
+    from cupyrope.cuda import launch
+
+    _staged_only(monkeypatch, 1)
+    monkeypatch.setattr(launch, "RERO_STAGED_MIN_ROWS", 1)
+    layout, interleaved, head_dim, rotary_dim, heads, block_size = case
+    stored, rows64 = make_cache(rng, name, layout, block_size=block_size, head_dim=head_dim,
+                                num_blocks=160 // block_size, heads=heads)
+    num_slots = rows64.shape[0]
+    slots = rng.permutation(num_slots)[:num_slots - 9].astype(np.int64)
+    slots[::5] = -1
+    slots[7] = num_slots + 3  # past the cache: skipped (validate=True would refuse it)
+    n = len(slots)
+    scale = FP8_SCALE.get(name, 1.0)
+    kwargs = {"k_scale": scale} if name in FP8 else {}
+    if source == "computed":
+        delta, table = rng.integers(-100000, 100000, n), None
+        kwargs.update(theta=THETA, rotary_dim=rotary_dim)
+    else:
+        delta, table = rng.integers(0, MAX_POSITION, n), cr.cos_sin_cache(
+            MAX_POSITION, rotary_dim, theta=THETA, dtype=source)
+        delta[[1, 2]] = (MAX_POSITION, MAX_POSITION + 40)  # outside the table: NaN, loudly
+        kwargs["cos_sin_cache"] = backend.put(table)
+    cache, extra = put_cache(backend, stored)
+    out = cr.rerotate_cache(cache, backend.put(slots), backend.put(delta), layout=layout,
+                            interleaved=interleaved, **kwargs, **extra)
+    (spec,) = rerotate_launches
+    assert spec.kernel.staged and spec.grid[0] < -(-n // int(spec.fusion_params["stage_slots"]))
+    valid = (slots >= 0) & (slots < num_slots)
+    _check_rerotated(slot_rows(get_cache(backend, out, name), layout), stored, rows64,
+                     slots[valid], delta[valid], rotary_dim, interleaved, table, name, layout)
+
+
+@pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
+@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn"])
+def test_staged_rerotation_at_its_threshold_equals_the_16_byte_kernel(backend, rng, monkeypatch,
+                                                                      rerotate_launches, name):
+    """At launch.RERO_STAGED_MIN_ROWS rows (16384 slots of 8 heads) on the GPU's own grid, the
+    staged kernel writes the 16-byte kernel's bytes exactly (the same chunk arithmetic), and one
+    slot fewer leaves the launch to the 16-byte kernel."""
+    _staged_only(monkeypatch, None)
+    stored, _ = make_cache(rng, name, "NHD", block_size=16, head_dim=128, num_blocks=1100,
+                           heads=8)
+    table = cr.cos_sin_cache(4096, 128, theta=THETA, dtype="float32")
+    slots = rng.permutation(1100 * 16)[:16384]
+    delta = rng.integers(0, 4096, 16384)
+    kwargs = {"k_scale": FP8_SCALE[name]} if name in FP8 else {}
+    caches = []
+    for count in (16384, 16383):
+        cache, extra = put_cache(backend, stored)
+        cr.rerotate_cache(cache, backend.put(slots[:count]), backend.put(delta[:count]),
+                          cos_sin_cache=backend.put(table), **kwargs, **extra)
+        caches.append(slot_rows(get_cache(backend, cache, name), "NHD").view(np.uint8))
+    assert [spec.kernel.staged for spec in rerotate_launches] == [True, False]
+    # The slots both kernels re-rotated agree bit for bit; the last one only the first moved.
+    np.testing.assert_array_equal(caches[0][slots[:16383]], caches[1][slots[:16383]])
+    np.testing.assert_array_equal(caches[1][slots[16383]], slot_rows(stored, "NHD")[
+        slots[16383]].view(np.uint8))
+    assert not np.array_equal(caches[0][slots[16383]], caches[1][slots[16383]])
 
 
 @pytest.mark.parametrize("backend", MUTABLE, indirect=True)
@@ -689,6 +809,69 @@ def test_fp8_neox_launch_takes_eight_heads_a_thread_from_16384_slots():
     for dtype, interleaved in ((np.float16, False), (fp8, True)):
         block, _ = geometry(dtype, 16384, interleaved)
         assert block[1] > 1, (dtype, interleaved)  # more than one head lane: fewer heads a thread
+
+
+def test_staged_launch_plan_without_a_gpu():
+    """The staged re-rotation (launch.rerotate_staged_applies) on a Hopper GPU of fast memory at
+    many rows: its stages (items of as many heads as hold 64 bytes of the cache with a table, 128
+    with computed angles; entries enough to give each of the 128 consumers one), its persistent
+    grid, and the launches it leaves to the 16-byte kernel."""
+    from cupyrope.core.rerotate import plan_rerotate
+    from cupyrope.cuda import launch
+
+    def planned(cache, slots, *, cc=90, bandwidth=4.8e12, **options):
+        plan = plan_rerotate(cache, np.arange(slots, dtype=np.int32), 3, **options)
+        return launch.plan_rerotate_launch(plan, inv_freq_ptr=4096, num_regs=lambda s: 64,
+                                           multiprocessors=132, memory_bandwidth=bandwidth,
+                                           compute_capability=cc)
+
+    fp8 = np.zeros((4096, 16, 8, 128), ml_dtypes.float8_e4m3fn)
+    table = np.zeros((4096, 128), np.float32)
+    spec = planned(fp8, 65536, k_scale=0.5, cos_sin_cache=table)
+    assert spec.kernel.name_expression == (
+        "cupyrope::rerotate_staged_kernel<unsigned char, float, false, 0, 1>")
+    r = spec.fusion_params
+    # fp8 NeoX items take 8 pairs of each half (16 bytes a head): 4 heads, 8 chunks, 2 items a
+    # slot x 8 = 16 items a slot, 8 slots a stage.
+    assert (int(r["stage_slots"]), int(r["heads_per_item"])) == (8, 4)
+    assert (int(r["rows_at"]), int(r["angles_at"])) == (128, 128 + 8 * 1024)
+    assert int(r["stage_bytes"]) == 128 + 8 * 1024 + 8 * 512  # whole 128-byte lines
+    assert spec.shared_bytes == 4 * int(r["stage_bytes"]) + 64 + 4 * 64
+    # Shared memory leaves 4 blocks of 160 an SM (64 registers would leave 6).
+    assert spec.block == (160, 1, 1) and spec.grid == (4 * 132, 1)
+    computed = planned(fp8, 65536, k_scale=0.5, theta=1e6)
+    r = computed.fusion_params
+    assert (int(r["stage_slots"]), int(r["heads_per_item"])) == (16, 8)  # 8 items a slot
+    assert int(r["angles_at"]) == 16 * 16 + 16 * 1024
+    assert computed.shared_bytes == 4 * int(r["stage_bytes"]) + 64  # no table row 0
+    bf16_hnd = np.zeros((65536, 8, 1, 128), ml_dtypes.bfloat16)  # one-slot blocks
+    r = planned(bf16_hnd, 65536, layout="HND", interleaved=True,
+                cos_sin_cache=table).fusion_params
+    # 4 interleaved pairs a 16-byte chunk: 16 chunks, 4 heads an item, 32 items a slot.
+    assert (int(r["stage_slots"]), int(r["heads_per_item"])) == (4, 4)
+    assert int(r["head_stride"]) == 128
+    # Two bf16 heads of 256 from a table: 16 items a slot would take 16 entries (24.8 KB), 15 fit.
+    wide = planned(np.zeros((4096, 16, 2, 256), ml_dtypes.bfloat16), 65536,
+                   cos_sin_cache=table).fusion_params
+    assert (int(wide["stage_slots"]), int(wide["stage_bytes"])) == (15, 23296)
+    # Left to the 16-byte kernel: another GPU, slower memory, fewer rows, heads of 72 fp8 bytes,
+    # HND of 16-slot blocks (a copy a head: 39-76 % of an SM copy where the 16-byte kernel ran
+    # 63-87).
+    for cache, slots, options in ((fp8, 65536, {"cc": 80}), (fp8, 65536, {"cc": 100}),
+                                  (fp8, 65536, {"bandwidth": 3.35e12}), (fp8, 16383, {}),
+                                  (np.zeros((1100, 16, 8, 72), ml_dtypes.float8_e4m3fn), 16384,
+                                   {"rotary_dim": 64}),
+                                  (np.zeros((4096, 8, 16, 128), ml_dtypes.float8_e4m3fn), 65536,
+                                   {"layout": "HND"})):
+        cc, bandwidth = options.pop("cc", 90), options.pop("bandwidth", 4.8e12)
+        spec = planned(cache, slots, k_scale=0.5, cc=cc, bandwidth=bandwidth, **options)
+        assert not spec.kernel.staged, (cache.shape, slots, cc, bandwidth)
+    assert planned(fp8, 16384, k_scale=0.5).kernel.staged
+    # A table of 16-bit entries whose rows are not whole 16-byte units (rotary_dim 56: 56 bytes).
+    half = np.zeros((4096, 16, 8, 64), np.float16)
+    assert not planned(half, 65536, cos_sin_cache=np.zeros((64, 56), np.float16),
+                       rotary_dim=56).kernel.staged
+    assert planned(half, 65536, cos_sin_cache=np.zeros((64, 64), np.float16)).kernel.staged
 
 
 @pytest.mark.nvrtc

@@ -35,7 +35,7 @@ RERO_PARAMS_DTYPE = np.dtype(
     + [(name, np.int64) for name in (
         "num_slots", "slots_are_int64", "slot_stride", "delta_is_int64", "delta_stride",
         "delta_value", "cache_slots", "block_size", "block_stride", "row_stride", "head_stride",
-        "num_heads")]
+        "num_heads", "stage_slots", "heads_per_item", "stage_bytes", "rows_at", "angles_at")]
     + [("scale_value", np.float64)]
 )
 

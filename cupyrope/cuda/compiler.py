@@ -191,18 +191,24 @@ class RerotateSpec:
     vector: bool  # 16-byte accesses (else one element at a time)
     interleaved: bool  # GPT-J pairing (else NeoX)
     source: AngleSource  # CACHE_TABLE (row = delta) or COMPUTED
+    staged: bool = False  # rerotate_staged_kernel (rows through shared memory; 16-byte units)
 
     @property
     def name_expression(self) -> str:
         element, store_format = RERO_CACHE_TYPES[self.dtype]
-        return (f"cupyrope::rerotate_cache_kernel<{element}, {CUDA_TYPE_NAMES[self.table_dtype]}, "
+        table = CUDA_TYPE_NAMES[self.table_dtype]
+        if self.staged:
+            return (f"cupyrope::rerotate_staged_kernel<{element}, {table}, "
+                    f"{str(self.interleaved).lower()}, {int(self.source)}, {int(store_format)}>")
+        return (f"cupyrope::rerotate_cache_kernel<{element}, {table}, "
                 f"{str(self.vector).lower()}, {str(self.interleaved).lower()}, "
                 f"{int(self.source)}, {int(store_format)}>")
 
 
 def _rerotate_specialisations() -> tuple[RerotateSpec, ...]:
     """Every cache format, both widths and pairings; computed angles, and cos_sin_cache tables of
-    float32 or (16-bit caches) the cache's own dtype, as for the fused kernel."""
+    float32 or (16-bit caches) the cache's own dtype, as for the fused kernel; and the staged
+    kernel of each 16-byte layout."""
     specs = []
     for dtype, vector, interleaved in itertools.product(RERO_CACHE_TYPES, (True, False),
                                                         (False, True)):
@@ -210,7 +216,9 @@ def _rerotate_specialisations() -> tuple[RerotateSpec, ...]:
         specs += [RerotateSpec(dtype, table, vector, interleaved, AngleSource.CACHE_TABLE)
                   for table in tables]
         specs.append(RerotateSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED))
-    return tuple(specs)
+    # The staged kernel (launch.rerotate_staged_applies) of every 16-byte layout above.
+    return tuple(specs) + tuple(dataclasses.replace(spec, staged=True) for spec in specs
+                                if spec.vector)
 
 
 RERO_SPECIALISATIONS: tuple[RerotateSpec, ...] = _rerotate_specialisations()

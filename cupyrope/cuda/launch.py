@@ -1397,6 +1397,12 @@ def _rerotate_vector_ok(plan: RerotatePlan) -> bool:
     if plan.num_slots * plan.num_heads <= RERO_ELEMENT_MAX_ROWS and (
             plan.rope.source == AngleSource.COMPUTED or ITEMSIZE[plan.cache_dtype] == 1):
         return False
+    return _rerotate_16_byte_layout(plan)
+
+
+def _rerotate_16_byte_layout(plan: RerotatePlan) -> bool:
+    """Whether the rotated dims split into whole 16-byte accesses (NeoX: each half) and the
+    cache's pointer and block, row and head strides are aligned to them."""
     access, _ = access_layout(ITEMSIZE[plan.cache_dtype], True, plan.rope.interleaved)
     r = plan.rope.rotary_dim
     if (r if plan.rope.interleaved else r // 2) % access:
@@ -1404,15 +1410,122 @@ def _rerotate_vector_ok(plan: RerotatePlan) -> bool:
     return plan.cache.ptr % 16 == 0 and all(s % access == 0 for s in plan.cache_strides())
 
 
+# The staged re-rotation (kernels_cu/rerotate_staged.cuh: rows by bulk copies through shared
+# memory, Hopper GPUs of fast memory): its block (RERO_STAGED_CONSUMERS consumer threads and the
+# producer warp), the most entries of `slots` a stage (one producer lane each), the most bytes a
+# stage, and the launches it takes: from RERO_STAGED_MIN_ROWS rows (slots x heads). A consumer
+# item is one chunk of as many heads as hold RERO_STAGED_*_ITEM_BYTES of the cache: its cos / sin
+# serve them all (computed: the sincos; a table: the stage's row, read once), and a stage holds
+# the entries whose items give each consumer RERO_STAGED_ITEMS_A_CONSUMER of them.
+# H200, benchmarks/test_rerotate.py's data (8 heads of 128, NeoX), % of an SM copy, the 16-byte
+# kernel -> staged at 4096 / 16384 / 65536 slots: fp8 e4m3 from a table 64.8 / 68.4 / 73.1 ->
+# 61.5 / 76.1 / 86.3, computed 54.5 / 63.8 / 68.9 -> 57.9 / 68.8 / 88.4; bf16 from a table 82.9 /
+# 84.9 / 87.0 -> 77.6 / 84.6 / 89.4, computed 74.5 / 80.8 / 87.9 -> 66.3 / 91.6 / 95.9. Items of
+# one head from a table: fp8 60.4 / 56.5 / 53.6 (cos, sin and the factor read from shared
+# memory again for each head); two items a consumer: 56.6 / 62.2 / 64.3. At 4096 slots a block
+# holds one or two stages' entries, so nothing is in flight behind them: the 16-byte kernel there.
+RERO_STAGED_CONSUMERS = 128
+RERO_STAGED_THREADS = RERO_STAGED_CONSUMERS + 32
+RERO_STAGED_MAX_SLOTS = 32
+RERO_STAGED_MAX_STAGE_BYTES = 24 * 1024
+RERO_STAGED_MIN_ROWS = 16384 * 8
+RERO_STAGED_TABLE_ITEM_BYTES = 64
+RERO_STAGED_COMPUTED_ITEM_BYTES = 128
+RERO_STAGED_ITEMS_A_CONSUMER = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RerotateStageLayout:
+    """A stage of the staged re-rotation, in bytes from its start: ``stage_slots`` entries
+    (StagedSlot: the row's offset and the delta, 16 bytes each), then the slots' rows (their heads
+    side by side), then (a table) their cos / sin rows; whole 128-byte lines. The kernel reads
+    these fields from RerotateParams; ``shared_bytes`` adds the stages' barriers and the inverses
+    of the table's row 0 (rerotate_staged_slots)."""
+
+    stage_slots: int
+    heads_per_item: int
+    rows_at: int
+    angles_at: int
+    stage_bytes: int
+    shared_bytes: int
+
+
+def rerotate_stage_layout(plan: RerotatePlan) -> RerotateStageLayout:
+    """The stages of ``plan``'s staged launch: enough entries a stage that its items (chunks of
+    ``heads_per_item`` heads) give every consumer one, within RERO_STAGED_MAX_SLOTS."""
+    rope = plan.rope
+    size = ITEMSIZE[plan.cache_dtype]
+    # Pairs an item (rerotate_staged.cuh, StagedPairs): a 16-byte access's, 8 for fp8 NeoX.
+    pairs = 8 if size == 1 and not rope.interleaved else access_layout(size, True,
+                                                                       rope.interleaved)[1]
+    table = rope.source == AngleSource.CACHE_TABLE
+    head_bytes = 2 * pairs * size  # a head's share of an item: both halves' (or its pairs')
+    item_bytes = RERO_STAGED_TABLE_ITEM_BYTES if table else RERO_STAGED_COMPUTED_ITEM_BYTES
+    heads_per_item = max(1, min(plan.num_heads, item_bytes // head_bytes))
+    per_slot = -(-plan.num_heads // heads_per_item) * (rope.rotary_dim // 2 // pairs)
+    items = RERO_STAGED_CONSUMERS * RERO_STAGED_ITEMS_A_CONSUMER
+    stage_slots = max(1, min(RERO_STAGED_MAX_SLOTS, -(-items // per_slot)))
+    row_bytes = plan.num_heads * plan.head_dim * size
+    angle_bytes = rope.rotary_dim * ITEMSIZE[rope.cache.dtype] if table else 0
+
+    def stage_bytes_of(slots: int) -> int:
+        return -(-(16 * slots + slots * (row_bytes + angle_bytes)) // 128) * 128
+
+    # Fewer entries where that many would pass RERO_STAGED_MAX_STAGE_BYTES (wide heads).
+    while stage_slots > 1 and stage_bytes_of(stage_slots) > RERO_STAGED_MAX_STAGE_BYTES:
+        stage_slots -= 1
+    rows_at = 16 * stage_slots
+    angles_at = rows_at + stage_slots * row_bytes
+    stage_bytes = stage_bytes_of(stage_slots)
+    shared = STAGED_STAGES * stage_bytes + 2 * STAGED_STAGES * 8
+    if table:
+        shared += 4 * (rope.rotary_dim // 2)
+    return RerotateStageLayout(stage_slots, heads_per_item, rows_at, angles_at, stage_bytes,
+                               shared)
+
+
+def rerotate_staged_applies(plan: RerotatePlan, *, memory_bandwidth: float,
+                            compute_capability: int) -> bool:
+    """Whether the staged re-rotation runs ``plan``: a Hopper GPU (bulk copies) of fast memory, at
+    least RERO_STAGED_MIN_ROWS rows, the 16-byte layout (_rerotate_16_byte_layout), a slot's heads
+    side by side (NHD, or HND of one-slot blocks: a row is one bulk copy; HND of 16-slot blocks,
+    a copy a head, ran at 39-76 % of an SM copy where the 16-byte kernel ran 63-87), a table's rows
+    of whole 16-byte units (cos then sin, unit column stride, aligned), and one entry's stage
+    within RERO_STAGED_MAX_STAGE_BYTES."""
+    if not (90 <= compute_capability < 100 and memory_bandwidth >= FAST_MEMORY):
+        return False
+    if (plan.num_slots * plan.num_heads < RERO_STAGED_MIN_ROWS
+            or not _rerotate_16_byte_layout(plan)):
+        return False
+    if ((plan.head_dim * ITEMSIZE[plan.cache_dtype]) % 16
+            or plan.cache_strides()[2] != plan.head_dim):
+        return False
+    rope = plan.rope
+    if rope.source == AngleSource.CACHE_TABLE:
+        table = rope.cache
+        itemsize = ITEMSIZE[table.dtype]
+        if (rope.cos_col_stride != 1 or rope.sin_col_stride != 1 or table.strides[1] != 1
+                or table.ptr % 16 or (table.strides[0] * itemsize) % 16
+                or ((rope.rotary_dim // 2) * itemsize) % 16):
+            return False
+    return rerotate_stage_layout(plan).stage_bytes <= RERO_STAGED_MAX_STAGE_BYTES
+
+
 def plan_rerotate_launch(plan: RerotatePlan, *, inv_freq_ptr: int = 0,
                          num_regs: Callable[[RerotateSpec], int],
-                         multiprocessors: int) -> LaunchSpec:
+                         multiprocessors: int, memory_bandwidth: float = 0.0,
+                         compute_capability: int = 0,
+                         resident_blocks: Callable[..., int] | None = None) -> LaunchSpec:
     """The one launch that re-rotates the slots of ``plan``: a ``RopeParams`` holding the angle
     source (cos_sin_cache rows indexed by the delta, or ``inv_freq`` for computed angles) and a
     ``RerotateParams`` holding the cache, slots and deltas. Geometry as the rope kernels': lanes
-    over a head's chunks, heads, slots."""
+    over a head's chunks, heads, slots; or (rerotate_staged_applies) the staged kernel's block on a
+    persistent grid of the blocks an SM holds (``resident_blocks(spec, threads, shared_bytes)``,
+    the driver's count; without it what registers and shared memory leave)."""
     rope = plan.rope
-    vector = _rerotate_vector_ok(plan)
+    staged = rerotate_staged_applies(plan, memory_bandwidth=memory_bandwidth,
+                                     compute_capability=compute_capability)
+    vector = staged or _rerotate_vector_ok(plan)
     access, pairs = access_layout(ITEMSIZE[plan.cache_dtype], vector, rope.interleaved)
     p = np.zeros((), dtype=PARAMS_DTYPE)
     p["num_tokens"] = plan.num_slots
@@ -1449,7 +1562,23 @@ def plan_rerotate_launch(plan: RerotatePlan, *, inv_freq_ptr: int = 0,
     if plan.scale.array is not None:
         r["scale"] = plan.scale.array.ptr
 
-    spec = RerotateSpec(plan.cache_dtype, table_dtype, vector, rope.interleaved, rope.source)
+    spec = RerotateSpec(plan.cache_dtype, table_dtype, vector, rope.interleaved, rope.source,
+                        staged)
+    if staged:
+        stages = rerotate_stage_layout(plan)
+        for name in ("stage_slots", "heads_per_item", "stage_bytes", "rows_at", "angles_at"):
+            r[name] = getattr(stages, name)
+        if resident_blocks is not None:
+            resident = resident_blocks(spec, RERO_STAGED_THREADS, stages.shared_bytes)
+        else:
+            by_shared = HOPPER_SM_SHARED_BYTES // (stages.shared_bytes
+                                                   + BLOCK_SHARED_RESERVED_BYTES)
+            resident = min(_resident_blocks(RERO_STAGED_THREADS, num_regs(spec)), by_shared)
+        groups = -(-plan.num_slots // stages.stage_slots)
+        grid = (min(groups, max(1, resident) * multiprocessors), 1)
+        return LaunchSpec(spec, p, grid, (RERO_STAGED_THREADS, 1, 1), stages.shared_bytes,
+                          (0, 0, 0, 0, 0, cos_ptr, sin_ptr), sin_offset, vector,
+                          fusion_params=r)
     curve = (RERO_FP8_NEOX_THROUGHPUT_BY_WORK
              if vector and ITEMSIZE[plan.cache_dtype] == 1 and not rope.interleaved
              else _THROUGHPUT_BY_WORK)
@@ -1484,13 +1613,19 @@ def rerotate_on_gpu(plan: RerotatePlan) -> LaunchRecipe:
             raise RuntimeError(needs_warmup(f"{spec.name_expression} is not compiled yet"))
         return get_kernel(spec, device)
 
-    launch = plan_rerotate_launch(plan, inv_freq_ptr=0 if inv_freq is None else inv_freq.data.ptr,
-                                  num_regs=lambda spec: compiled(spec).num_regs,
-                                  multiprocessors=_multiprocessors(device))
+    launch = plan_rerotate_launch(
+        plan, inv_freq_ptr=0 if inv_freq is None else inv_freq.data.ptr,
+        num_regs=lambda spec: compiled(spec).num_regs, multiprocessors=_multiprocessors(device),
+        memory_bandwidth=_memory_bandwidth(device),
+        compute_capability=_compute_capability(device),
+        resident_blocks=lambda spec, threads, shared_bytes: occupancy_blocks(
+            compiled(spec), device, threads, shared_bytes, plan.op_name))
     kernel = compiled(launch.kernel)
+    if launch.shared_bytes > MAX_SHARED_ANGLE_BYTES:
+        allow_shared_bytes(kernel, device, launch.shared_bytes, plan.op_name)
     recipe = LaunchRecipe(kernel.ptr, device, launch.grid, launch.block, launch.params,
-                          launch.sin_offset, launch.vector, inv_freq, 0, launch.kernel,
-                          fusion_params=launch.fusion_params)
+                          launch.sin_offset, launch.vector, inv_freq, launch.shared_bytes,
+                          launch.kernel, fusion_params=launch.fusion_params)
     recipe.launch(plan.cache.obj, *launch.pointers)
     return recipe
 
