@@ -290,7 +290,7 @@ def test_staged_kernel_mrope_matches_the_reference(backend, rng, staged, planned
 @pytest.mark.parametrize("D,rotary_dim,interleaved", [(256, 64, False), (128, 64, False),
                                                       (128, 64, True)])
 @pytest.mark.parametrize("op,inplace", [("norm", False), ("norm", True), ("cache", True),
-                                        ("norm+cache", False)])
+                                        ("cache", False), ("norm+cache", False)])
 def test_staged_kernel_partial_rotation_matches_the_reference(backend, rng, staged,
                                                               planned_launches, monkeypatch, T,
                                                               D, rotary_dim, interleaved, op,
