@@ -229,10 +229,13 @@ def _check_rerotated(got, stored, rows64, named, deltas, rotary_dim, interleaved
 # times. (layout, interleaved, head_dim, rotary_dim, heads, block_size): NHD, HND of one-slot
 # blocks (a slot's heads side by side there too), GPT-J pairs, partial rotations, heads wider than
 # the rotation (bf16 from a table: 15 entries a stage, fewer than the items ask for, to stay
-# within launch.RERO_STAGED_MAX_STAGE_BYTES).
-STAGED_CASES = [("NHD", False, 128, 128, 8, 16), ("HND", False, 128, 128, 8, 1),
-                ("NHD", True, 128, 128, 8, 16), ("HND", True, 128, 64, 4, 1),
-                ("NHD", False, 256, 128, 2, 16)]
+# within launch.RERO_STAGED_MAX_STAGE_BYTES); then the index dtype of slots and deltas and the
+# form of delta (an array a slot, an int for every slot, or one element for every slot).
+STAGED_CASES = [("NHD", False, 128, 128, 8, 16, "int64", "array"),
+                ("HND", False, 128, 128, 8, 1, "int32", "array"),
+                ("NHD", True, 128, 128, 8, 16, "int32", "int"),
+                ("HND", True, 128, 64, 4, 1, "int64", "one"),
+                ("NHD", False, 256, 128, 2, 16, "int32", "array")]
 # (cache format, angle source): computed angles, a float32 table, a table of the cache's 16 bits.
 STAGED_SOURCES = ([(name, "computed") for name in FORMATS] + [(name, "float32") for name in FORMATS]
                   + [("float16", "float16"), ("bfloat16", "bfloat16")])
@@ -274,37 +277,48 @@ def test_staged_rerotation_matches_the_reference(backend, rng, monkeypatch, rero
     """Each named slot's rotated dims within one rounding of the float64 re-rotation (a delta
     outside the table: NaN in its slot's rotated dims), dims past rotary_dim and every other slot
     bit for bit as they were (skipped slots: -1 and one past the cache), through the staged
-    kernel."""
+    kernel, with int32 or int64 slots and deltas, one delta a slot or one for all."""
     from cupyrope.cuda import launch
 
     _staged_only(monkeypatch, 1)
     monkeypatch.setattr(launch, "RERO_STAGED_MIN_ROWS", 1)
-    layout, interleaved, head_dim, rotary_dim, heads, block_size = case
+    layout, interleaved, head_dim, rotary_dim, heads, block_size, index, form = case
     stored, rows64 = make_cache(rng, name, layout, block_size=block_size, head_dim=head_dim,
                                 num_blocks=160 // block_size, heads=heads)
     num_slots = rows64.shape[0]
-    slots = rng.permutation(num_slots)[:num_slots - 9].astype(np.int64)
+    slots = rng.permutation(num_slots)[:num_slots - 9].astype(index)
     slots[::5] = -1
     slots[7] = num_slots + 3  # past the cache: skipped (validate=True would refuse it)
     n = len(slots)
     scale = FP8_SCALE.get(name, 1.0)
     kwargs = {"k_scale": scale} if name in FP8 else {}
     if source == "computed":
-        delta, table = rng.integers(-100000, 100000, n), None
+        delta, table = rng.integers(-100000, 100000, n).astype(index), None
         kwargs.update(theta=THETA, rotary_dim=rotary_dim)
     else:
-        delta, table = rng.integers(0, MAX_POSITION, n), cr.cos_sin_cache(
+        delta, table = rng.integers(0, MAX_POSITION, n).astype(index), cr.cos_sin_cache(
             MAX_POSITION, rotary_dim, theta=THETA, dtype=source)
-        delta[[1, 2]] = (MAX_POSITION, MAX_POSITION + 40)  # outside the table: NaN, loudly
+        if form == "array":
+            delta[[1, 2]] = (MAX_POSITION, MAX_POSITION + 40)  # outside the table: NaN, loudly
         kwargs["cos_sin_cache"] = backend.put(table)
+    if form != "array":
+        delta[:] = delta[0]
+    delta_arg = {"array": lambda: backend.put(delta), "int": lambda: int(delta[0]),
+                 "one": lambda: backend.put(delta[:1])}[form]()
     cache, extra = put_cache(backend, stored)
-    out = cr.rerotate_cache(cache, backend.put(slots), backend.put(delta), layout=layout,
+    out = cr.rerotate_cache(cache, backend.put(slots), delta_arg, layout=layout,
                             interleaved=interleaved, **kwargs, **extra)
     (spec,) = rerotate_launches
     assert spec.kernel.staged and spec.grid[0] < -(-n // int(spec.fusion_params["stage_slots"]))
+    r = spec.fusion_params
+    assert (int(r["slots_are_int64"]), int(r["delta_is_int64"])) == (
+        index == "int64", index == "int64" and form != "int")
+    assert (int(r["delta"]) == 0) == (form == "int") and (int(r["delta_stride"]) == 0) == (
+        form != "array")
     valid = (slots >= 0) & (slots < num_slots)
     _check_rerotated(slot_rows(get_cache(backend, out, name), layout), stored, rows64,
-                     slots[valid], delta[valid], rotary_dim, interleaved, table, name, layout)
+                     slots[valid], delta[valid].astype(np.int64), rotary_dim, interleaved, table,
+                     name, layout)
 
 
 @pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
