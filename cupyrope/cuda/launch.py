@@ -1418,12 +1418,13 @@ def _rerotate_16_byte_layout(plan: RerotatePlan) -> bool:
 # serve them all (computed: the sincos; a table: the stage's row, read once), and a stage holds
 # the entries whose items give each consumer RERO_STAGED_ITEMS_A_CONSUMER of them.
 # H200, benchmarks/test_rerotate.py's data (8 heads of 128, NeoX), % of an SM copy, the 16-byte
-# kernel -> staged at 4096 / 16384 / 65536 slots: fp8 e4m3 from a table 64.8 / 68.4 / 73.1 ->
-# 61.5 / 76.1 / 86.3, computed 54.5 / 63.8 / 68.9 -> 57.9 / 68.8 / 88.4; bf16 from a table 82.9 /
-# 84.9 / 87.0 -> 77.6 / 84.6 / 89.4, computed 74.5 / 80.8 / 87.9 -> 66.3 / 91.6 / 95.9. Items of
-# one head from a table: fp8 60.4 / 56.5 / 53.6 (cos, sin and the factor read from shared
-# memory again for each head); two items a consumer: 56.6 / 62.2 / 64.3. At 4096 slots a block
-# holds one or two stages' entries, so nothing is in flight behind them: the 16-byte kernel there.
+# kernel -> staged at 16384 / 65536 slots: fp8 e4m3 from a table 68.6 / 73.2 -> 75.7 / 86.6,
+# computed 63.8 / 69.1 -> 68.8 / 88.8; bf16 from a table 84.9 / 87.0 -> 84.9 / 90.4, computed
+# 81.0 / 87.7 -> 92.4 / 95.8. Items of one head from a table (cos, sin and the factor read from
+# shared memory again for each head): fp8 56.5 / 53.6; fewer entries a stage or two items a
+# consumer: slower everywhere. At 4096 slots a block holds one or two stages' entries and nothing
+# is in flight behind them (staged fp8 50-61, bf16 66-78; 16-byte 54-65, 74-83): the 16-byte
+# kernel there and at 8192 (mixed). docs/perf_log.md, "rerotate_cache on the staged kernel".
 RERO_STAGED_CONSUMERS = 128
 RERO_STAGED_THREADS = RERO_STAGED_CONSUMERS + 32
 RERO_STAGED_MAX_SLOTS = 32
