@@ -342,7 +342,8 @@ RACECHECK="not run"
 SANITIZER_SUBSET="not 2p31 and not threads and not repeat_calls and not guard_bytes and not grid_limits and not every_byte_offset"
 SANITIZER_FILES=(tests/test_gpu.py tests/test_reliability_gpu.py tests/test_fused.py tests/test_mla.py
                  tests/test_fused_mla.py tests/test_rerotate.py tests/test_fp8_per_head.py
-                 tests/test_nvfp4_cache.py tests/test_strided_last_dim.py)
+                 tests/test_nvfp4_cache.py tests/test_strided_last_dim.py tests/test_fused_staged.py
+                 tests/test_mla_staged.py)
 if [[ -n "${GPU_CHECK_SANITIZER_FILES:-}" ]]; then
     read -r -a SANITIZER_FILES <<<"${GPU_CHECK_SANITIZER_FILES}"
 fi
