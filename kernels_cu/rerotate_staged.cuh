@@ -32,11 +32,10 @@
 
 namespace cupyrope {
 
-// Consumers a block (four warps) and the producer warp; the most entries a stage holds (one
-// producer lane each). launch.RERO_STAGED_* sizes the launch alike.
+// Consumers a block (four warps) and the producer warp, whose 32 lanes bound a stage's entries
+// (launch.RERO_STAGED_MAX_SLOTS). launch.RERO_STAGED_* sizes the launch alike.
 constexpr int kReroStagedConsumers = 128;
 constexpr int kReroStagedThreads = kReroStagedConsumers + 32;
-constexpr int kReroStagedMaxSlots = 32;
 constexpr int kReroStagedMinBlocksPerSM = 4;
 
 // A stage's entry of one slot, written by its producer lane: the element offset of the slot's

@@ -1427,7 +1427,7 @@ def _rerotate_16_byte_layout(plan: RerotatePlan) -> bool:
 # kernel there and at 8192 (mixed). docs/perf_log.md, "rerotate_cache on the staged kernel".
 RERO_STAGED_CONSUMERS = 128
 RERO_STAGED_THREADS = RERO_STAGED_CONSUMERS + 32
-RERO_STAGED_MAX_SLOTS = 32
+RERO_STAGED_MAX_SLOTS = 32  # the producer warp's lanes, one an entry
 RERO_STAGED_MAX_STAGE_BYTES = 24 * 1024
 RERO_STAGED_MIN_ROWS = 16384 * 8
 RERO_STAGED_TABLE_ITEM_BYTES = 64
