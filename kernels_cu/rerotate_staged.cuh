@@ -2,7 +2,7 @@
 // cos_sin_cache rows) moved by bulk copies (bulk_copy.cuh) through a ring of shared-memory
 // stages, as the staged fused kernel moves a token's (fused_staged.cuh). Hopper GPUs of fast
 // memory (the H200) run it for launches of many slots whose heads lie side by side in whole
-// 16-byte units (launch.rerotate_staged_applies); rerotate_cache_kernel (rerotate.cuh) runs every
+// 16-byte units (launch.rerotate_staged_layout); rerotate_cache_kernel (rerotate.cuh) runs every
 // other launch.
 //
 // Why: rerotate_cache_kernel holds one head's 16-byte chunk a thread in registers, and the fp8

@@ -390,7 +390,7 @@ void rerotate_cache_kernel(const RopeParams p, const RerotateParams r) {
 }
 
 // The re-rotation with the slots' rows moved by bulk copies through shared-memory stages
-// (rerotate_staged.cuh), on Hopper GPUs of fast memory (launch.rerotate_staged_applies: many
+// (rerotate_staged.cuh), on Hopper GPUs of fast memory (launch.rerotate_staged_layout: many
 // slots, rows of whole 16-byte units). Built for an architecture without bulk copies it traps:
 // no launch picks it there.
 template <typename T, typename TableT, bool INTERLEAVED, int SOURCE, int FORMAT>

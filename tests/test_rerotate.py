@@ -826,7 +826,7 @@ def test_fp8_neox_launch_takes_eight_heads_a_thread_from_16384_slots():
 
 
 def test_staged_launch_plan_without_a_gpu():
-    """The staged re-rotation (launch.rerotate_staged_applies) on a Hopper GPU of fast memory at
+    """The staged re-rotation (launch.rerotate_staged_layout) on a Hopper GPU of fast memory at
     many rows: its stages (items of as many heads as hold 64 bytes of the cache with a table, 128
     with computed angles; entries enough to give each of the 128 consumers one), its persistent
     grid, and the launches it leaves to the 16-byte kernel."""

@@ -216,7 +216,7 @@ def _rerotate_specialisations() -> tuple[RerotateSpec, ...]:
         specs += [RerotateSpec(dtype, table, vector, interleaved, AngleSource.CACHE_TABLE)
                   for table in tables]
         specs.append(RerotateSpec(dtype, "float32", vector, interleaved, AngleSource.COMPUTED))
-    # The staged kernel (launch.rerotate_staged_applies) of every 16-byte layout above.
+    # The staged kernel (launch.rerotate_staged_layout) of every 16-byte layout above.
     return tuple(specs) + tuple(dataclasses.replace(spec, staged=True) for spec in specs
                                 if spec.vector)
 

@@ -1485,22 +1485,24 @@ def rerotate_stage_layout(plan: RerotatePlan) -> RerotateStageLayout:
                                shared)
 
 
-def rerotate_staged_applies(plan: RerotatePlan, *, memory_bandwidth: float,
-                            compute_capability: int) -> bool:
-    """Whether the staged re-rotation runs ``plan``: a Hopper GPU (bulk copies) of fast memory, at
+def rerotate_staged_layout(plan: RerotatePlan, *, memory_bandwidth: float,
+                           compute_capability: int) -> RerotateStageLayout | None:
+    """The stages of the staged re-rotation where it runs ``plan``, else None (rerotate_cache plans
+    every call: the layout is worked out once, for the rule and the launch). It runs on a Hopper
+    GPU (bulk copies) of fast memory, at
     least RERO_STAGED_MIN_ROWS rows, the 16-byte layout (_rerotate_16_byte_layout), a slot's heads
     side by side (NHD, or HND of one-slot blocks: a row is one bulk copy; HND of 16-slot blocks,
     a copy a head, ran at 39-76 % of an SM copy where the 16-byte kernel ran 63-87), a table's rows
     of whole 16-byte units (cos then sin, unit column stride, aligned), and one entry's stage
     within RERO_STAGED_MAX_STAGE_BYTES."""
     if not (90 <= compute_capability < 100 and memory_bandwidth >= FAST_MEMORY):
-        return False
+        return None
     if (plan.num_slots * plan.num_heads < RERO_STAGED_MIN_ROWS
             or not _rerotate_16_byte_layout(plan)):
-        return False
+        return None
     if ((plan.head_dim * ITEMSIZE[plan.cache_dtype]) % 16
             or plan.cache_strides()[2] != plan.head_dim):
-        return False
+        return None
     rope = plan.rope
     if rope.source == AngleSource.CACHE_TABLE:
         table = rope.cache
@@ -1508,8 +1510,9 @@ def rerotate_staged_applies(plan: RerotatePlan, *, memory_bandwidth: float,
         if (rope.cos_col_stride != 1 or rope.sin_col_stride != 1 or table.strides[1] != 1
                 or table.ptr % 16 or (table.strides[0] * itemsize) % 16
                 or ((rope.rotary_dim // 2) * itemsize) % 16):
-            return False
-    return rerotate_stage_layout(plan).stage_bytes <= RERO_STAGED_MAX_STAGE_BYTES
+            return None
+    stages = rerotate_stage_layout(plan)
+    return stages if stages.stage_bytes <= RERO_STAGED_MAX_STAGE_BYTES else None
 
 
 def plan_rerotate_launch(plan: RerotatePlan, *, inv_freq_ptr: int = 0,
@@ -1520,12 +1523,13 @@ def plan_rerotate_launch(plan: RerotatePlan, *, inv_freq_ptr: int = 0,
     """The one launch that re-rotates the slots of ``plan``: a ``RopeParams`` holding the angle
     source (cos_sin_cache rows indexed by the delta, or ``inv_freq`` for computed angles) and a
     ``RerotateParams`` holding the cache, slots and deltas. Geometry as the rope kernels': lanes
-    over a head's chunks, heads, slots; or (rerotate_staged_applies) the staged kernel's block on a
+    over a head's chunks, heads, slots; or (rerotate_staged_layout) the staged kernel's block on a
     persistent grid of the blocks an SM holds (``resident_blocks(spec, threads, shared_bytes)``,
     the driver's count; without it what registers and shared memory leave)."""
     rope = plan.rope
-    staged = rerotate_staged_applies(plan, memory_bandwidth=memory_bandwidth,
-                                     compute_capability=compute_capability)
+    stages = rerotate_staged_layout(plan, memory_bandwidth=memory_bandwidth,
+                                    compute_capability=compute_capability)
+    staged = stages is not None
     vector = staged or _rerotate_vector_ok(plan)
     access, pairs = access_layout(ITEMSIZE[plan.cache_dtype], vector, rope.interleaved)
     p = np.zeros((), dtype=PARAMS_DTYPE)
@@ -1566,7 +1570,6 @@ def plan_rerotate_launch(plan: RerotatePlan, *, inv_freq_ptr: int = 0,
     spec = RerotateSpec(plan.cache_dtype, table_dtype, vector, rope.interleaved, rope.source,
                         staged)
     if staged:
-        stages = rerotate_stage_layout(plan)
         for name in ("stage_slots", "heads_per_item", "stage_bytes", "rows_at", "angles_at"):
             r[name] = getattr(stages, name)
         if resident_blocks is not None:
@@ -1598,8 +1601,10 @@ def rerotate_on_gpu(plan: RerotatePlan) -> LaunchRecipe:
 
     def needs_warmup(what: str) -> str:
         return (f"{plan.op_name}: called while the stream is being captured into a CUDA graph, "
-                f"but {what}; make one call with the same cache format and angle source (and, "
-                "for computed angles, theta / scaling / rotary_dim) before capturing")
+                f"but {what}; make one call with the same cache format, layout, angle source "
+                "and number of slots (few rows take one pair a thread, many a staged kernel on "
+                "some GPUs; computed angles also the same theta / scaling / rotary_dim) before "
+                "capturing")
 
     inv_freq = None
     if plan.rope.source == AngleSource.COMPUTED:
