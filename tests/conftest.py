@@ -138,22 +138,23 @@ def randn(rng):
     return make
 
 
-def _recorded_plans(monkeypatch, entry) -> list:
-    """``entry(spec)`` of every launch planned from here on, in order (repeat calls of a layout
-    replay their first launch unplanned: the recipes of earlier tests are forgotten first)."""
+def _recorded_plans(monkeypatch, entry, planner: str = "plan_launch") -> list:
+    """``entry(spec)`` of every launch that ``launch.<planner>`` plans from here on, in order
+    (repeat calls of a layout replay their first launch unplanned: the recipes of earlier tests
+    are forgotten first)."""
     from cupyrope import execute
     from cupyrope.cuda import launch
 
     execute.clear()
     recorded = []
-    plan_launch = launch.plan_launch
+    plan = getattr(launch, planner)
 
     def recording(*args, **kwargs):
-        spec = plan_launch(*args, **kwargs)
+        spec = plan(*args, **kwargs)
         recorded.append(entry(spec))
         return spec
 
-    monkeypatch.setattr(launch, "plan_launch", recording)
+    monkeypatch.setattr(launch, planner, recording)
     return recorded
 
 
@@ -167,3 +168,9 @@ def launched_kernels(monkeypatch) -> list:
 def planned_launches(monkeypatch) -> list:
     """The LaunchSpec (kernel, grid, block...) of every launch the test plans, in order."""
     return _recorded_plans(monkeypatch, lambda spec: spec)
+
+
+@pytest.fixture
+def planned_rerotations(monkeypatch) -> list:
+    """The LaunchSpec of every re-rotation (rerotate_cache) the test plans, in order."""
+    return _recorded_plans(monkeypatch, lambda spec: spec, "plan_rerotate_launch")

@@ -241,21 +241,6 @@ STAGED_SOURCES = ([(name, "computed") for name in FORMATS] + [(name, "float32") 
                   + [("float16", "float16"), ("bfloat16", "bfloat16")])
 
 
-@pytest.fixture
-def rerotate_launches(monkeypatch) -> list:
-    """The LaunchSpec of every re-rotation the test plans, in order."""
-    from cupyrope.cuda import launch
-
-    planned, plan = [], launch.plan_rerotate_launch
-
-    def recording(*args, **kwargs):
-        planned.append(plan(*args, **kwargs))
-        return planned[-1]
-
-    monkeypatch.setattr(launch, "plan_rerotate_launch", recording)
-    return planned
-
-
 def _staged_only(monkeypatch, multiprocessors):
     import cupy
 
@@ -272,7 +257,7 @@ def _staged_only(monkeypatch, multiprocessors):
 @pytest.mark.parametrize("name,source", STAGED_SOURCES, ids=[f"{n}-{s}" for n, s in STAGED_SOURCES])
 @pytest.mark.parametrize("case", STAGED_CASES, ids=["NHD-neox", "HND-neox", "NHD-gptj",
                                                     "HND-gptj-partial", "NHD-256-partial"])
-def test_staged_rerotation_matches_the_reference(backend, rng, monkeypatch, rerotate_launches,
+def test_staged_rerotation_matches_the_reference(backend, rng, monkeypatch, planned_rerotations,
                                                  name, source, case):
     """Each named slot's rotated dims within one rounding of the float64 re-rotation (a delta
     outside the table: NaN in its slot's rotated dims), dims past rotary_dim and every other slot
@@ -308,7 +293,7 @@ def test_staged_rerotation_matches_the_reference(backend, rng, monkeypatch, rero
     cache, extra = put_cache(backend, stored)
     out = cr.rerotate_cache(cache, backend.put(slots), delta_arg, layout=layout,
                             interleaved=interleaved, **kwargs, **extra)
-    (spec,) = rerotate_launches
+    (spec,) = planned_rerotations
     assert spec.kernel.staged and spec.grid[0] < -(-n // int(spec.fusion_params["stage_slots"]))
     r = spec.fusion_params
     assert (int(r["slots_are_int64"]), int(r["delta_is_int64"])) == (
@@ -324,7 +309,7 @@ def test_staged_rerotation_matches_the_reference(backend, rng, monkeypatch, rero
 @pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
 @pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn"])
 def test_staged_rerotation_at_its_threshold_equals_the_16_byte_kernel(backend, rng, monkeypatch,
-                                                                      rerotate_launches, name):
+                                                                      planned_rerotations, name):
     """At launch.RERO_STAGED_MIN_ROWS rows (16384 slots of 8 heads) on the GPU's own grid, the
     staged kernel writes the 16-byte kernel's bytes exactly (the same chunk arithmetic), and one
     slot fewer leaves the launch to the 16-byte kernel."""
@@ -341,7 +326,7 @@ def test_staged_rerotation_at_its_threshold_equals_the_16_byte_kernel(backend, r
         cr.rerotate_cache(cache, backend.put(slots[:count]), backend.put(delta[:count]),
                           cos_sin_cache=backend.put(table), **kwargs, **extra)
         caches.append(slot_rows(get_cache(backend, cache, name), "NHD").view(np.uint8))
-    assert [spec.kernel.staged for spec in rerotate_launches] == [True, False]
+    assert [spec.kernel.staged for spec in planned_rerotations] == [True, False]
     # The slots both kernels re-rotated agree bit for bit; the last one only the first moved.
     np.testing.assert_array_equal(caches[0][slots[:16383]], caches[1][slots[:16383]])
     np.testing.assert_array_equal(caches[1][slots[16383]], slot_rows(stored, "NHD")[
