@@ -340,6 +340,24 @@ def rms_norm_rope(q: Array, k: Array | None, q_weight: Array, k_weight: Array | 
         router=_fused_route, fast_key=None if fast is None else fast[0]), made)
 
 
+def rms_norm_rope_repeat(q, k, q_weight, k_weight, eps, weight_offset, cos, sin, norm_over,
+                         inplace):
+    """The repeat call of ``rms_norm_rope(q, k, q_weight, k_weight, eps=eps,
+    weight_offset=weight_offset, cos=cos, sin=sin, norm_over=norm_over, inplace=inplace)`` (every
+    other argument its default): its outputs, or None when no recipe is kept for that call or the
+    full path must decide (then make that call). The key is the one the public function forms
+    for the same call, so it replays exactly what that call would; for callers that make the
+    call on every step with the same arguments (a patched Hugging Face layer), where the public
+    function's keyword arguments are a measurable part of the host time."""
+    if _compiling():
+        return None
+    fast = fast_fused_key("rms_norm_rope", (q, k, None, None, cos, sin, q_weight, k_weight,
+                                            None, None),
+                          (eps, weight_offset, 10000.0, None, False, None, False, inplace, None,
+                           None, norm_over))
+    return None if fast is None else execute.replay_fast(fast, q, k, None, inplace)
+
+
 def rope_and_cache(q: Array, k: Array, v: Array, positions: Array | None, k_cache: Array,
                    v_cache: Array, slot_mapping: Array, *, cos_sin_cache: Array | None = None,
                    cos: Array | None = None, sin: Array | None = None, theta: float = 10000.0,

@@ -624,7 +624,7 @@ def test_forward_reader_knows_norms_over_the_whole_projection():
 
     def rotate(attention, q, k, cos, sin):
         seen.append((q, k))
-        return q.transpose(1, 2), k.transpose(1, 2)
+        return q, k  # rotated q and k stay [B, S, H, D]: the forward transposes them
 
     layer = OlmoStyle()
     layer.q_norm = layer.k_norm = None  # the fused build must not call them
@@ -672,7 +672,7 @@ def test_rewritten_forward_moves_the_transposes_after_the_rotation():
 
     def rotate(attention, q, k, cos, sin):
         seen.append((attention, q, k, cos, sin))
-        return q.transpose(1, 2), k.transpose(1, 2)
+        return q, k  # rotated q and k stay [B, S, H, D]: the forward transposes them
 
     for fused in (False, True):
         forward = form.build(rotate, fused=fused)

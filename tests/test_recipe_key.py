@@ -253,3 +253,51 @@ def test_fused_replays_refuse_inference_tensors_they_would_write_outside_inferen
     versions = plain[0]._version, plain[1]._version
     recipes.replay_fused(Recipe(), plain[0], plain[1], None, pointers, True)
     assert (plain[0]._version, plain[1]._version) == (versions[0] + 1, versions[1] + 1)
+
+
+@pytest.mark.parametrize("norm_over, inplace", [("head", True), ("head", False),
+                                                ("all_heads", True)])
+def test_rms_norm_rope_repeat_forms_the_public_functions_key(monkeypatch, norm_over, inplace):
+    """``api.rms_norm_rope_repeat`` (a patched Hugging Face layer's repeat call) replays under
+    exactly the fast key that ``rms_norm_rope`` forms for the same call, so it replays what that
+    call kept and nothing else; none under torch.compile tracing. (CPU tensors stand in for CUDA
+    ones: get_device answers 0; the replay is recorded, not run.)"""
+    torch = pytest.importorskip("torch")
+    from cupyrope import api, execute
+    from cupyrope.core import arrays as array_info
+
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    for kind in (torch.Tensor, torch.nn.Parameter):
+        monkeypatch.setitem(array_info.GPU_KINDS, kind, "torch")
+    replayed = []
+    monkeypatch.setattr(execute, "replay_fast",
+                        lambda found, *rest: replayed.append((found, rest)) or ("replayed",))
+    q, k = torch.zeros(2, 3, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 3, 2, 64,
+                                                                       dtype=torch.bfloat16)
+    cos, sin = torch.zeros(2, 3, 64, dtype=torch.bfloat16), torch.ones(2, 3, 64,
+                                                                      dtype=torch.bfloat16)
+    width = 64 if norm_over == "head" else 4 * 64
+    q_weight = torch.nn.Parameter(torch.ones(width, dtype=torch.bfloat16))
+    k_weight = torch.nn.Parameter(torch.ones(width // 2 if norm_over != "head" else width,
+                                             dtype=torch.bfloat16))
+    with torch.no_grad():
+        public = api.rms_norm_rope(q, k, q_weight, k_weight, eps=1e-6, weight_offset=1.0,
+                                   cos=cos, sin=sin, norm_over=norm_over, inplace=inplace)
+        repeat = api.rms_norm_rope_repeat(q, k, q_weight, k_weight, 1e-6, 1.0, cos, sin,
+                                          norm_over, inplace)
+    assert public == repeat == ("replayed",)
+    (public_key, public_rest), (repeat_key, repeat_rest) = replayed
+    assert public_key == repeat_key and public_rest == repeat_rest
+    # another eps, weight_offset or inplace is another key
+    with torch.no_grad():
+        api.rms_norm_rope_repeat(q, k, q_weight, k_weight, 1e-5, 1.0, cos, sin, norm_over,
+                                 inplace)
+        api.rms_norm_rope_repeat(q, k, q_weight, k_weight, 1e-6, 0.0, cos, sin, norm_over,
+                                 inplace)
+        api.rms_norm_rope_repeat(q, k, q_weight, k_weight, 1e-6, 1.0, cos, sin, norm_over,
+                                 not inplace)
+    assert len({found[0] for found, _ in replayed}) == 4
+    monkeypatch.setattr(api, "_compiling", lambda: True)
+    assert api.rms_norm_rope_repeat(q, k, q_weight, k_weight, 1e-6, 1.0, cos, sin, norm_over,
+                                    inplace) is None
+    assert len(replayed) == 5

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api import apply_rope, rms_norm_rope
+from ..api import apply_rope, rms_norm_rope, rms_norm_rope_repeat
 from .hf_attention import attention_form
 
 
@@ -220,24 +220,28 @@ def _rotate_heads_last(attention, q, k, cos, sin, in_place=False):
     """The rotation of a rewritten forward (cupyrope.compat.hf_attention) of ``attention``, a
     layer with no QK-norm, or one whose norms stay its own: q and k are the ``[B, S, H, D]``
     projections, ``cos`` / ``sin`` Hugging Face's ``[B, S, D]`` tables; returns the rotated q and
-    k as the ``[B, H, S, D]`` views the layer's own code continues with. One dtype throughout:
-    one launch on the projections as they are (written in place with ``in_place``: see
-    :func:`_owned_projections`); otherwise Hugging Face's type promotion, through
-    :func:`hf_apply_rotary_pos_emb` on the transposed views."""
+    k, still ``[B, S, H, D]`` (the forward transposes them after the call, as the layer's own
+    code did before it). One dtype throughout: one launch on the projections as they are
+    (written in place with ``in_place``: see :func:`_owned_projections`); otherwise Hugging
+    Face's type promotion, through :func:`hf_apply_rotary_pos_emb` on the transposed views."""
     if q.dtype == k.dtype == cos.dtype == sin.dtype and q.dim() == 4 and cos.dim() == 3:
-        q, k = apply_rope(q, k, cos=cos, sin=sin, inplace=in_place)
-        return q.transpose(1, 2), k.transpose(1, 2)
-    return hf_apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return apply_rope(q, k, cos=cos, sin=sin, inplace=in_place)
+    return _heads_last(*hf_apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin))
 
 
 def _rotate_heads_last_in_input_dtypes(attention, q, k, cos, sin, in_place=False):
     """:func:`_rotate_heads_last` for the modules whose rotation keeps q's and k's dtypes (OLMo
     2, whose tables are float32 in a bfloat16 model): one launch whatever the tables' dtype."""
     if q.dtype == k.dtype and q.dim() == 4 and cos.dim() == 3:
-        q, k = apply_rope(q, k, cos=cos, sin=sin, inplace=in_place)
-        return q.transpose(1, 2), k.transpose(1, 2)
-    return _hf_apply_rotary_pos_emb_in_input_dtypes(q.transpose(1, 2), k.transpose(1, 2), cos,
-                                                    sin)
+        return apply_rope(q, k, cos=cos, sin=sin, inplace=in_place)
+    return _heads_last(*_hf_apply_rotary_pos_emb_in_input_dtypes(
+        q.transpose(1, 2), k.transpose(1, 2), cos, sin))
+
+
+def _heads_last(q, k):
+    """``[B, H, S, D]`` q and k as ``[B, S, H, D]`` views (what a rotation of a rewritten
+    forward returns; the forward transposes them back)."""
+    return q.transpose(1, 2), k.transpose(1, 2)
 
 
 # What a patch puts in place of a module's apply_rotary_pos_emb -> the rotation its layers'
@@ -310,13 +314,17 @@ _LINEAR_FORWARD = torch.nn.Linear.forward
 _MODULE_CALL = torch.nn.Module.__call__
 
 
-def _runs_plainly(module) -> bool:
-    """Whether calling ``module`` runs nothing but its class's forward (no hooks, no forward set
-    on the module itself): then the fused op may stand in for it."""
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or "forward" in module.__dict__
-                or _MODULE_HOOKS._global_forward_hooks
-                or _MODULE_HOOKS._global_forward_pre_hooks)
+def _runs_plainly(*modules) -> bool:
+    """Whether calling each of ``modules`` runs nothing but its class's forward (no hooks, no
+    forward set on the module itself): then the fused op may stand in for it."""
+    if _MODULE_HOOKS._global_forward_hooks or _MODULE_HOOKS._global_forward_pre_hooks:
+        return False
+    for module in modules:
+        state = module.__dict__  # (items of it cost less than attributes of the module)
+        if (state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"]
+                or state["_backward_pre_hooks"] or "forward" in state):
+            return False
+    return True
 
 
 def _owned_projections(attention, projections, q, k) -> bool:
@@ -333,13 +341,13 @@ def _owned_projections(attention, projections, q, k) -> bool:
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor:
         return False
     submodules = attention._modules
-    for attr in projections:
-        module = submodules.get(attr)
+    q_proj, k_proj = submodules.get(projections[0]), submodules.get(projections[1])
+    for module in (q_proj, k_proj):
         cls = type(module)
         if (module is None or cls.forward is not _LINEAR_FORWARD
-                or cls.__call__ is not _MODULE_CALL or not _runs_plainly(module)):
+                or cls.__call__ is not _MODULE_CALL):
             return False
-    return True
+    return _runs_plainly(q_proj, k_proj)
 
 
 def _heads_last_rotation(rotary, projections):
@@ -360,7 +368,7 @@ def _norm_rotation(q_attr: str, k_attr: str, norms_after_transpose: bool, rotary
                    over_projection: bool = False, projections=None):
     """The rotation of a rewritten QK-norm forward: q and k arrive as the ``[B, S, H, D]``
     projections before their norms (``self.<q_attr>``, ``self.<k_attr>``) and leave normalised
-    and rotated as ``[B, H, S, D]`` views, through one :func:`cupyrope.rms_norm_rope` launch
+    and rotated, still ``[B, S, H, D]`` (the forward transposes them after the call), through one :func:`cupyrope.rms_norm_rope` launch
     (``over_projection``: the norm of each whole projection, all heads together, as OLMo 2's).
     Calls the fused op cannot take as Hugging Face computes them run the layer's own norms, in
     the layer's own order (before or after the transpose, or on the projection), then
@@ -376,25 +384,28 @@ def _norm_rotation(q_attr: str, k_attr: str, norms_after_transpose: bool, rotary
         submodules = attention._modules  # nn.Module.__getattr__ costs more than the checks
         q_norm, k_norm = submodules.get(q_attr), submodules.get(k_attr)
         form = _RMS_NORM_FORMS.get(type(q_norm))
-        if (form is not None and type(k_norm) is type(q_norm) and q.dtype in _FUSED_DTYPES
-                and q.dtype == k.dtype and cos.dtype == sin.dtype
-                and (cos.dtype == q.dtype or any_tables and cos.dtype in _FUSED_DTYPES)
-                and q.dim() == 4 and cos.dim() == 3 and _runs_plainly(q_norm)
-                and _runs_plainly(k_norm)):
+        dtype, tables = q.dtype, cos.dtype  # (torch's dtypes are singletons: `is` compares)
+        if (form is not None and type(k_norm) is type(q_norm) and dtype in _FUSED_DTYPES
+                and k.dtype is dtype and sin.dtype is tables
+                and (tables is dtype or any_tables and tables in _FUSED_DTYPES)
+                and q.dim() == 4 and cos.dim() == 3 and _runs_plainly(q_norm, k_norm)):
             q_weight = q_norm._parameters.get("weight")
             k_weight = k_norm._parameters.get("weight")
             eps = q_norm.__dict__.get(form.eps_name)
-            if (q_weight is not None and k_weight is not None and q_weight.dtype == q.dtype
-                    and k_weight.dtype == q.dtype
+            if (q_weight is not None and k_weight is not None and q_weight.dtype is dtype
+                    and k_weight.dtype is dtype
                     and k_norm.__dict__.get(form.eps_name) == eps
                     and (not over_projection
                          or (q_weight.numel() == q.shape[-2] * q.shape[-1]
                              and k_weight.numel() == k.shape[-2] * k.shape[-1]))):
-                q, k = rms_norm_rope(q, k, q_weight, k_weight, eps=eps,
+                in_place = _owned_projections(attention, projections, q, k)
+                rotated = rms_norm_rope_repeat(q, k, q_weight, k_weight, eps, form.weight_offset,
+                                               cos, sin, norm_over, in_place)
+                if rotated is not None:
+                    return rotated
+                return rms_norm_rope(q, k, q_weight, k_weight, eps=eps,
                                      weight_offset=form.weight_offset, cos=cos, sin=sin,
-                                     norm_over=norm_over,
-                                     inplace=_owned_projections(attention, projections, q, k))
-                return q.transpose(1, 2), k.transpose(1, 2)
+                                     norm_over=norm_over, inplace=in_place)
         q_norm, k_norm = getattr(attention, q_attr), getattr(attention, k_attr)
         if over_projection:  # the layer's norms on the whole projections, then the heads
             q = q_norm(q.flatten(-2)).view(q.shape).transpose(1, 2)
@@ -403,7 +414,7 @@ def _norm_rotation(q_attr: str, k_attr: str, norms_after_transpose: bool, rotary
             q, k = q_norm(q.transpose(1, 2)), k_norm(k.transpose(1, 2))
         else:
             q, k = q_norm(q).transpose(1, 2), k_norm(k).transpose(1, 2)
-        return rotary(q, k, cos, sin)
+        return _heads_last(*rotary(q, k, cos, sin))
 
     return rotate
 
@@ -456,7 +467,7 @@ def _fusable_norms(layer, form) -> bool:
     q_norm, k_norm = layer._modules.get(form.q_norm), layer._modules.get(form.k_norm)
     head_dim = getattr(layer, "head_dim", None)
     if (q_norm is None or type(k_norm) is not type(q_norm) or not isinstance(head_dim, int)
-            or not (_runs_plainly(q_norm) and _runs_plainly(k_norm))):
+            or not _runs_plainly(q_norm, k_norm)):
         return False
     for norm in (q_norm, k_norm):
         weight = norm._parameters.get("weight")

@@ -7,7 +7,7 @@ normalises the whole projection before the view) and call
 ``apply_rotary_pos_emb(q, k, cos, sin)``. :func:`attention_form` reads the source of such a
 ``forward``; :meth:`AttentionForm.build` compiles a copy of it in which the rotation statement
 calls a given function on the projections' own ``[B, S, H, D]`` views (the transposes of q and k
-move into that function, after the rotation) and, for the fused build, on the projections before
+move after that call) and, for the fused build, on the projections before
 their norms, so that one call normalises and rotates. Every other statement is the class's own
 code, compiled against its own module's globals: the attention mask, KV cache, attention backend,
 sliding window and soft-capping stay exactly as Hugging Face wrote them.
@@ -126,8 +126,11 @@ class AttentionForm:
 
     def build(self, rotate, *, fused: bool) -> types.FunctionType:
         """A copy of the forward whose rotation statement is ``q, k = rotate(self, q, k, cos,
-        sin)``: q and k are the ``[B, S, H, D]`` projections (not transposed) and ``rotate``
-        returns them rotated as ``[B, H, S, D]``. ``fused``: q and k reach ``rotate`` before their
+        sin)``, then ``q = q.transpose(1, 2)`` and ``k = k.transpose(1, 2)``: q and k are the
+        ``[B, S, H, D]`` projections (not transposed), ``rotate`` returns them rotated, still
+        ``[B, S, H, D]``, and the layer's own transposes follow the call (so that the call is
+        the rotation alone, and a layer makes as many views patched as not). ``fused``: q and k
+        reach ``rotate`` before their
         norms, which ``rotate`` applies (only when :attr:`can_fuse`); otherwise the norms stay
         where the layer has them (a norm after the transpose then sees ``[B, S, H, D]``, which
         is the same per-head norm only for a norm over the last dim: the caller checks)."""
@@ -152,7 +155,19 @@ class AttentionForm:
         rotation = body[self.rotation]
         arguments = [ast.Name(name, ast.Load()) for name in (self_name, q, k, cos, sin)]
         rotation.value = ast.Call(func=ast.Name(CALL, ast.Load()), args=arguments, keywords=[])
-        tree.body = [s for i, s in enumerate(body) if i not in dropped]
+        # The layer's own transposes, after the rotation: q = q.transpose(1, 2), then k's.
+        transposes = [ast.copy_location(ast.Assign(
+            targets=[ast.Name(name, ast.Store())],
+            value=ast.Call(func=ast.Attribute(ast.Name(name, ast.Load()), "transpose", ast.Load()),
+                           args=[ast.Constant(1), ast.Constant(2)], keywords=[])), rotation)
+            for name in (q, k)]
+        kept = []
+        for i, statement in enumerate(body):
+            if i not in dropped:
+                kept.append(statement)
+            if i == self.rotation:
+                kept += transposes
+        tree.body = kept
         return self._compile(tree, rotate)
 
     def _compile(self, tree: ast.FunctionDef, rotate) -> types.FunctionType:

@@ -185,15 +185,17 @@ def _operands_key(arrays, numbers_at=frozenset()):
         if x is None:
             metas.append(None)
             pointers.append(0)
-        elif kinds.get(type(x)) == "torch":
+            continue
+        kind = type(x)
+        if kinds.get(kind) == "torch":
             device = x.get_device()
             if device < 0 or (x.requires_grad and grad_enabled()):
                 return None  # CPU, or autograd's (grad mode off: a plain array, as gpu_array_key)
             ptr = x.data_ptr()
-            metas.append((type(x), x.shape, x.stride(), x.dtype, device, ptr & 15))
+            metas.append((kind, x.shape, x.stride(), x.dtype, device, ptr & 15))
             pointers.append(ptr)
         else:  # CuPy, a type not seen yet, or a number
-            found = None if type(x) in _PLAIN_OPTION_TYPES else gpu_array_key(x)
+            found = None if kind in _PLAIN_OPTION_TYPES else gpu_array_key(x)
             if found is None:
                 if index not in numbers_at or _is_array(x):
                     return None  # not a CUDA array here (or one the full path must see)
