@@ -312,6 +312,7 @@ _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
 _LINEAR_FORWARD = torch.nn.Linear.forward
 _MODULE_CALL = torch.nn.Module.__call__
+_TENSOR = torch.Tensor
 
 
 def _runs_plainly(*modules) -> bool:
@@ -338,16 +339,14 @@ def _owned_projections(attention, projections, q, k) -> bool:
     18.7 µs; docs/training.md)."""
     if projections is None or _grad_enabled() or _compiling():
         return False
-    if type(q) is not torch.Tensor or type(k) is not torch.Tensor:
+    if type(q) is not _TENSOR or type(k) is not _TENSOR:
         return False
     submodules = attention._modules
     q_proj, k_proj = submodules.get(projections[0]), submodules.get(projections[1])
-    for module in (q_proj, k_proj):
-        cls = type(module)
-        if (module is None or cls.forward is not _LINEAR_FORWARD
-                or cls.__call__ is not _MODULE_CALL):
-            return False
-    return _runs_plainly(q_proj, k_proj)
+    q_class, k_class = type(q_proj), type(k_proj)
+    return (q_proj is not None and k_proj is not None and q_class.forward is _LINEAR_FORWARD
+            and k_class.forward is _LINEAR_FORWARD and q_class.__call__ is _MODULE_CALL
+            and k_class.__call__ is _MODULE_CALL and _runs_plainly(q_proj, k_proj))
 
 
 def _heads_last_rotation(rotary, projections):
@@ -391,10 +390,10 @@ def _norm_rotation(q_attr: str, k_attr: str, norms_after_transpose: bool, rotary
                 and q.dim() == 4 and cos.dim() == 3 and _runs_plainly(q_norm, k_norm)):
             q_weight = q_norm._parameters.get("weight")
             k_weight = k_norm._parameters.get("weight")
-            eps = q_norm.__dict__.get(form.eps_name)
+            eps_name = form.eps_name
+            eps = q_norm.__dict__.get(eps_name)
             if (q_weight is not None and k_weight is not None and q_weight.dtype is dtype
-                    and k_weight.dtype is dtype
-                    and k_norm.__dict__.get(form.eps_name) == eps
+                    and k_weight.dtype is dtype and k_norm.__dict__.get(eps_name) == eps
                     and (not over_projection
                          or (q_weight.numel() == q.shape[-2] * q.shape[-1]
                              and k_weight.numel() == k.shape[-2] * k.shape[-1]))):

@@ -328,7 +328,9 @@ def fused_call_key(op_name: str, q, k, positions, rope: dict, fusion: dict):
 
 # The scale operands' places in FUSED_OPERANDS: a number there is keyed as an option.
 _SCALE_PLACES = tuple(sorted(_SCALE_INDICES))
-_NUMBER_TYPES = frozenset((int, float, type(None)))
+_NUMBER_TYPES = frozenset((int, float))
+# The pointers of the operands a fast key's arrays leave out, by how many they give.
+_ABSENT_POINTERS = [[0] * (len(FUSED_OPERANDS) - given) for given in range(len(FUSED_OPERANDS) + 1)]
 
 
 def fast_fused_key(op_name: str, arrays: tuple, options: tuple):
@@ -348,13 +350,15 @@ def fast_fused_key(op_name: str, arrays: tuple, options: tuple):
         return None
     metas, pointers = operands
     numbers = ()
+    given = len(arrays)
     for place in _SCALE_PLACES:  # a scale given as a number is an option of the key
-        if place < len(arrays) and metas[place] is None:
+        if place < given:
             scale = arrays[place]
-            if type(scale) not in _NUMBER_TYPES:
-                return None  # "per_head" and other strings: the full path makes or refuses them
-            numbers += (place, type(scale), scale)
-    pointers += [0] * (len(FUSED_OPERANDS) - len(pointers))
+            if scale is not None and metas[place] is None:  # (an absent scale: metas say None)
+                if type(scale) not in _NUMBER_TYPES:
+                    return None  # "per_head" and other strings: the full path makes or refuses
+                numbers += (place, type(scale), scale)
+    pointers += _ABSENT_POINTERS[given]
     return (op_name, tuple(metas), options, types, numbers), pointers
 
 
