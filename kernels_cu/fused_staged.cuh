@@ -37,6 +37,20 @@ constexpr int kStagedStages = 4;
 constexpr int kStagedMaxThreads = 192;
 constexpr int kStagedMinBlocksPerSM = 4;
 
+// The ring's barriers, set up by one thread of the block before a block barrier (the staged
+// fused, MLA and re-rotation kernels alike): a stage's `full` phase completes on `fillers`
+// arrivals and the bytes they announce, its `done` phase on `consumers` arrivals.
+__device__ __forceinline__ void staged_barriers_init(unsigned long long* full,
+                                                     unsigned long long* done, unsigned fillers,
+                                                     unsigned consumers) {
+#pragma unroll
+  for (int i = 0; i < kStagedStages; ++i) {
+    barrier_init(full + i, fillers);
+    barrier_init(done + i, consumers);
+  }
+  barrier_init_fence();
+}
+
 // Where a stage keeps a token's rows, in bytes from its start: q's heads, then k's (rotated head h
 // at h * head_dim elements), v's (CACHE), then the token's cos and sin rows (the halves of its
 // cache row: angle_rows of them, see below; a position outside the cache reads none, the producer
@@ -374,14 +388,7 @@ __device__ __forceinline__ void rope_fused_staged_tokens(const RopeParams& p,
   const int first = static_cast<int>(blockIdx.x), step = static_cast<int>(gridDim.x);
   const int count = first < num_tokens ? (num_tokens - first + step - 1) / step : 0;
 
-  if (lane == 0 && row == 0) {
-#pragma unroll
-    for (int i = 0; i < kStagedStages; ++i) {
-      barrier_init(full + i, 1);
-      barrier_init(done + i, static_cast<unsigned>(consumers));
-    }
-    barrier_init_fence();
-  }
+  if (lane == 0 && row == 0) staged_barriers_init(full, done, 1, static_cast<unsigned>(consumers));
   __syncthreads();
   wait_for_previous_grid();
   if (row >= consumer_rows) {

@@ -259,14 +259,7 @@ __device__ __forceinline__ void mla_staged_tokens(const MlaParams& p) {
   const long long first = blockIdx.x, step = gridDim.x;
   const int count =
       first < p.num_tokens ? static_cast<int>((p.num_tokens - first + step - 1) / step) : 0;
-  if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < kStagedStages; ++i) {
-      barrier_init(full + i, 1);
-      barrier_init(done + i, kMlaStagedConsumers);
-    }
-    barrier_init_fence();
-  }
+  if (tid == 0) staged_barriers_init(full, done, 1, kMlaStagedConsumers);
   __syncthreads();
   if (tid >= kMlaStagedConsumers) {
     if (tid == kMlaStagedConsumers) {

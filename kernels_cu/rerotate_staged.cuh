@@ -193,14 +193,7 @@ __device__ __forceinline__ void rerotate_staged_slots(const RopeParams& p,
   const long long first = blockIdx.x, step = gridDim.x;
   const long long groups = (r.num_slots + r.stage_slots - 1) / r.stage_slots;
   const int count = first < groups ? static_cast<int>((groups - first + step - 1) / step) : 0;
-  if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < kStagedStages; ++i) {
-      barrier_init(full + i, 32);
-      barrier_init(done + i, kReroStagedConsumers);
-    }
-    barrier_init_fence();
-  }
+  if (tid == 0) staged_barriers_init(full, done, 32, kReroStagedConsumers);
   if constexpr (SOURCE == kCacheTable) {
     const TableT* row0 = static_cast<const TableT*>(p.cos);
     for (int j = tid; j < half; j += kReroStagedThreads) {

@@ -159,6 +159,25 @@ def _recorded_plans(monkeypatch, entry, planner: str = "plan_launch") -> list:
 
 
 @pytest.fixture
+def hopper_fast_memory(monkeypatch):
+    """``require(module, what)``: skip the test off Hopper GPUs (compute capability 9.x), where
+    the staged kernels (``what`` names the one) are traps, and on a Hopper GPU let the launch
+    rules of ``module`` (``cupyrope.cuda.launch`` or ``mla_launch``) see an H200's memory (4.8
+    TB/s), so that an H100 takes the staged launches too."""
+    def require(module, what: str) -> None:
+        cupy = pytest.importorskip("cupy")
+        try:
+            major = cupy.cuda.Device().compute_capability[:-1]
+        except cupy.cuda.runtime.CUDARuntimeError:
+            pytest.skip("no GPU")
+        if major != "9":
+            pytest.skip(f"the staged {what} runs on Hopper GPUs (compute capability 9.x)")
+        monkeypatch.setattr(module, "_memory_bandwidth", lambda device: 4.8e12)
+
+    return require
+
+
+@pytest.fixture
 def launched_kernels(monkeypatch) -> list:
     """The KernelSpec of every launch the test plans, in order."""
     return _recorded_plans(monkeypatch, lambda spec: spec.kernel)

@@ -25,16 +25,11 @@ GPU_BACKENDS = backend_params(["cupy", "torch-cuda"])
 
 
 @pytest.fixture
-def staged(monkeypatch, backend):
+def staged(monkeypatch, backend, hopper_fast_memory):
     """The staged kernel for every norm launch of this test, or skip off Hopper GPUs."""
     from cupyrope.cuda import launch
 
-    import cupy
-
-    major = cupy.cuda.Device().compute_capability[:-1]
-    if major != "9":
-        pytest.skip("the staged fused kernel runs on Hopper GPUs (compute capability 9.x)")
-    monkeypatch.setattr(launch, "_memory_bandwidth", lambda device: 4.8e12)
+    hopper_fast_memory(launch, "fused kernel")
     monkeypatch.setattr(launch, "FUSED_DECODE_FAST_MEMORY_MAX_NORM_TOKENS", 0)
 
 

@@ -704,3 +704,9 @@ def test_shared_memory_opt_in_is_only_ever_raised(monkeypatch):
     assert allowed == {0xABC: 90 * 1024, 0xDEF: 52 * 1024}
     with pytest.raises(ValueError, match="more than this GPU's"):
         launch.allow_shared_bytes(kernel, 0, 228 * 1024, "op")
+    # What holds the memory, and what to do: the norm's weights, or the staged kernels' stages.
+    with pytest.raises(ValueError, match="norm_over='all_heads'.*normalise with fewer heads"):
+        launch.allow_shared_bytes(kernel, 0, 228 * 1024, "op", all_heads=True)
+    with pytest.raises(ValueError, match="ring of stages.*pass fewer heads a call"):
+        launch.allow_shared_bytes(kernel, 0, 228 * 1024, "op")
+    assert allowed == {0xABC: 90 * 1024, 0xDEF: 52 * 1024}  # nothing opted in on a refusal

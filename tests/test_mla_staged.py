@@ -159,19 +159,13 @@ def test_geometry_is_a_persistent_grid_of_resident_blocks(randn, deepseek_cache)
 
 
 @pytest.fixture
-def staged(monkeypatch):
+def staged(monkeypatch, hopper_fast_memory):
     """Every MLA launch of the test on the staged kernel where its rule allows (checked after
     the test: at least one launch took it), or skip off Hopper GPUs."""
-    cupy = pytest.importorskip("cupy")
+    pytest.importorskip("cupy")
     from cupyrope.cuda import mla_launch
 
-    try:
-        major = cupy.cuda.Device().compute_capability[:-1]
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no GPU")
-    if major != "9":
-        pytest.skip("the staged MLA kernel runs on Hopper GPUs (compute capability 9.x)")
-    monkeypatch.setattr(mla_launch, "_memory_bandwidth", lambda device: 4.8e12)
+    hopper_fast_memory(mla_launch, "MLA kernel")
     monkeypatch.setattr(mla_launch, "MLA_STAGED_MIN_TOKENS", 1)
     taken = []
     rule = mla_launch.mla_staged_applies

@@ -241,14 +241,10 @@ STAGED_SOURCES = ([(name, "computed") for name in FORMATS] + [(name, "float32") 
                   + [("float16", "float16"), ("bfloat16", "bfloat16")])
 
 
-def _staged_only(monkeypatch, multiprocessors):
-    import cupy
-
+def _staged_only(hopper_fast_memory, monkeypatch, multiprocessors):
     from cupyrope.cuda import launch
 
-    if cupy.cuda.Device().compute_capability[:-1] != "9":
-        pytest.skip("the staged re-rotation runs on Hopper GPUs (compute capability 9.x)")
-    monkeypatch.setattr(launch, "_memory_bandwidth", lambda device: 4.8e12)
+    hopper_fast_memory(launch, "re-rotation")
     if multiprocessors is not None:
         monkeypatch.setattr(launch, "_multiprocessors", lambda device: multiprocessors)
 
@@ -258,14 +254,14 @@ def _staged_only(monkeypatch, multiprocessors):
 @pytest.mark.parametrize("case", STAGED_CASES, ids=["NHD-neox", "HND-neox", "NHD-gptj",
                                                     "HND-gptj-partial", "NHD-256-partial"])
 def test_staged_rerotation_matches_the_reference(backend, rng, monkeypatch, planned_rerotations,
-                                                 name, source, case):
+                                                 hopper_fast_memory, name, source, case):
     """Each named slot's rotated dims within one rounding of the float64 re-rotation (a delta
     outside the table: NaN in its slot's rotated dims), dims past rotary_dim and every other slot
     bit for bit as they were (skipped slots: -1 and one past the cache), through the staged
     kernel, with int32 or int64 slots and deltas, one delta a slot or one for all."""
     from cupyrope.cuda import launch
 
-    _staged_only(monkeypatch, 1)
+    _staged_only(hopper_fast_memory, monkeypatch, 1)
     monkeypatch.setattr(launch, "RERO_STAGED_MIN_ROWS", 1)
     layout, interleaved, head_dim, rotary_dim, heads, block_size, index, form = case
     stored, rows64 = make_cache(rng, name, layout, block_size=block_size, head_dim=head_dim,
@@ -309,11 +305,12 @@ def test_staged_rerotation_matches_the_reference(backend, rng, monkeypatch, plan
 @pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
 @pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn"])
 def test_staged_rerotation_at_its_threshold_equals_the_16_byte_kernel(backend, rng, monkeypatch,
-                                                                      planned_rerotations, name):
+                                                                      planned_rerotations,
+                                                                      hopper_fast_memory, name):
     """At launch.RERO_STAGED_MIN_ROWS rows (16384 slots of 8 heads) on the GPU's own grid, the
     staged kernel writes the 16-byte kernel's bytes exactly (the same chunk arithmetic), and one
     slot fewer leaves the launch to the 16-byte kernel."""
-    _staged_only(monkeypatch, None)
+    _staged_only(hopper_fast_memory, monkeypatch, None)
     stored, _ = make_cache(rng, name, "NHD", block_size=16, head_dim=128, num_blocks=1100,
                            heads=8)
     table = cr.cos_sin_cache(4096, 128, theta=THETA, dtype="float32")

@@ -522,7 +522,8 @@ def rotate_on_gpu(plan: RopePlan, outputs: list[ArrayInfo]) -> LaunchRecipe:
                            compiled(kernel_spec), device, threads, shared_bytes, plan.op_name))
     kernel = compiled(spec.kernel)
     if spec.shared_bytes > MAX_SHARED_ANGLE_BYTES:
-        allow_shared_bytes(kernel, device, spec.shared_bytes, plan.op_name)
+        allow_shared_bytes(kernel, device, spec.shared_bytes, plan.op_name,
+                           all_heads=getattr(spec.kernel, "all_heads", False))
     recipe = LaunchRecipe(kernel.ptr, device, spec.grid, spec.block, spec.params, spec.sin_offset,
                           spec.vector, inv_freq, spec.shared_bytes, spec.kernel,
                           fusion_params=spec.fusion_params,
@@ -1209,19 +1210,25 @@ def all_heads_geometry(plan: RopePlan, access: int, pairs: int, copy_pass: bool,
 _shared_opt_ins: dict[int, int] = {}
 
 
-def allow_shared_bytes(kernel, device: int, nbytes: int, op_name: str) -> None:
+def allow_shared_bytes(kernel, device: int, nbytes: int, op_name: str,
+                       all_heads: bool = False) -> None:
     """Let ``kernel`` launch with ``nbytes`` of dynamic shared memory, past the 48 KiB every
-    launch may use (the norm over all heads keeps the weights of every head there), or raise
-    ValueError before any launch where the device allows less."""
+    launch may use (``all_heads``: the norm over all heads keeps the weights of every head there;
+    else the staged kernels' ring of stages), or raise ValueError before any launch where the
+    device allows less."""
     if nbytes <= _shared_opt_ins.get(kernel.ptr, 0):
         return
     cupy = cupy_module()
     most = cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"]
-    if nbytes > most:
+    if nbytes > most and all_heads:
         raise ValueError(f"{op_name}: the launch needs {nbytes} bytes of shared memory (with "
                          "norm_over='all_heads', the norm weights of every q and k head as "
                          f"float32), more than this GPU's {most}: normalise with fewer heads a "
                          "call (the norm over all heads reads every head of a token at once)")
+    if nbytes > most:  # the staged kernels' stages, sized for Hopper GPUs' 227 KB
+        raise ValueError(f"{op_name}: the launch needs {nbytes} bytes of shared memory (the "
+                         f"staged kernel's ring of stages, a token's or slot's heads each), "
+                         f"more than this GPU's {most}: pass fewer heads a call")
     # The attribute is one bound a kernel: only ever raised, so that a later launch of a size
     # opted in before never finds it lowered by a smaller one in between (CUDA_ERROR_INVALID_VALUE).
     cupy.cuda.driver.funcSetAttribute(
