@@ -17,7 +17,7 @@ from .core.numpy_path import fused_on_host, rotate_on_host
 from .core.overlap import byte_span
 from .core.plan import RopePlan, check_values, plan_outputs, plan_rope
 from .cuda.recipes import (FUSED_OPERANDS, call_key, fused_call_key, guard_in_place, guard_written,
-                      recipes, replay, replay_fused)
+                      recipes, replay, replay_fused, replay_rerotate)
 
 
 def run(q, k, positions, cos_sin_cache, cos, sin, theta, scaling, interleaved, rotary_dim,
@@ -158,6 +158,15 @@ def replay_fast(found, q, k, caches, inplace: bool):
     if recipe is None:
         return None
     return replay_fused(recipe, q, k, caches, found[1], inplace)
+
+
+def replay_rerotate_fast(found, k_cache):
+    """A re-rotation's repeat by its key (:func:`cupyrope.cuda.recipes.rerotate_key`): the cache,
+    or None when no recipe is kept under it or the full path must decide."""
+    recipe = recipes.get(found[0])
+    if recipe is None:
+        return None
+    return replay_rerotate(recipe, k_cache, found[1])
 
 
 def run_fused(op_name: str, q, k, positions, *, rope: dict, fusion: dict, validate: bool,

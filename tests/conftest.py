@@ -163,7 +163,10 @@ def hopper_fast_memory(monkeypatch):
     """``require(module, what)``: skip the test off Hopper GPUs (compute capability 9.x), where
     the staged kernels (``what`` names the one) are traps, and on a Hopper GPU let the launch
     rules of ``module`` (``cupyrope.cuda.launch`` or ``mla_launch``) see an H200's memory (4.8
-    TB/s), so that an H100 takes the staged launches too."""
+    TB/s), so that an H100 takes the staged launches too. The repeat-call recipes planned under
+    these rules are forgotten after the test."""
+    from cupyrope import execute
+
     def require(module, what: str) -> None:
         cupy = pytest.importorskip("cupy")
         try:
@@ -174,7 +177,8 @@ def hopper_fast_memory(monkeypatch):
             pytest.skip(f"the staged {what} runs on Hopper GPUs (compute capability 9.x)")
         monkeypatch.setattr(module, "_memory_bandwidth", lambda device: 4.8e12)
 
-    return require
+    yield require
+    execute.clear()
 
 
 @pytest.fixture

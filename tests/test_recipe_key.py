@@ -301,3 +301,68 @@ def test_rms_norm_rope_repeat_forms_the_public_functions_key(monkeypatch, norm_o
     assert api.rms_norm_rope_repeat(q, k, q_weight, k_weight, 1e-6, 1.0, cos, sin, norm_over,
                                     inplace) is None
     assert len(replayed) == 5
+
+
+# rerotate_cache's key: formed from its own arguments as given.
+
+
+def _rerotate_key(cache, slots, delta, table=None, k_scale=None, *, theta=10000.0,
+                  scaling=None, interleaved=False, rotary_dim=None, layout="NHD",
+                  cache_dtype=None, seq_len=None):
+    return recipes.rerotate_key((cache, slots, delta, table, k_scale),
+                                (theta, scaling, interleaved, rotary_dim, layout, cache_dtype,
+                                 seq_len))
+
+
+def test_rerotate_keys_hold_every_operand_option_and_number():
+    cache = _array((8, 16, 4, 128), (8192, 512, 128, 1))
+    slots, delta = _array((40,), (1,)), _array((40,), (1,))
+    table = _array((512, 128), (128, 1))
+    base = _rerotate_key(cache, slots, delta, table)
+    assert base is not None and len(base[1]) == len(recipes.REROTATE_OPERANDS)
+    assert base[0] == _rerotate_key(cache, slots, delta, table)[0]
+    others = [
+        _rerotate_key(cache, slots, delta),  # computed angles
+        _rerotate_key(cache, slots, delta, table, layout="HND"),
+        _rerotate_key(cache, slots, delta, table, interleaved=True),
+        _rerotate_key(cache, slots, delta, table, rotary_dim=64),
+        _rerotate_key(cache, slots, delta, theta=500000.0),
+        _rerotate_key(cache, slots, delta, theta=500000),  # the same value as an int
+        _rerotate_key(cache, slots, delta, scaling={"rope_type": "linear", "factor": 2.0}),
+        _rerotate_key(cache, slots, delta, scaling={"rope_type": "linear", "factor": 4.0}),
+        _rerotate_key(cache, slots, delta, table, k_scale=0.25),
+        _rerotate_key(cache, slots, delta, table, k_scale=0.5),
+        _rerotate_key(cache, slots, delta, table, k_scale=1),  # an int scale: another type
+        _rerotate_key(cache, slots, delta, table, k_scale=_array((), ())),
+        _rerotate_key(cache, slots, delta, table, cache_dtype="float8_e4m3fn"),
+        _rerotate_key(cache, slots, _array((40,), (2,)), table),  # a strided delta
+        _rerotate_key(cache, slots, _array((1,), (1,)), table),  # one delta for every slot
+        _rerotate_key(cache, _array((39,), (1,)), _array((39,), (1,)), table),
+        _rerotate_key(cache, slots, 7, table),  # an int delta: by value
+        _rerotate_key(cache, slots, 8, table),
+        _rerotate_key(cache, slots, 7.0, table),  # refused by the full path: its own key
+    ]
+    keys = [base[0]] + [other[0] for other in others]
+    assert len(set(keys)) == len(keys)
+    # Pointers in REROTATE_OPERANDS order; numbers point at nothing.
+    index = recipes.REROTATE_OPERANDS.index
+    scaled = _rerotate_key(cache, slots, 7, table, k_scale=0.5)
+    assert scaled[1][index("delta")] == 0 and scaled[1][index("k_scale")] == 0
+    assert scaled[1][index("k_cache")] == base[1][index("k_cache")] != 0
+
+
+def test_rerotate_keys_leave_every_call_the_full_path_must_see():
+    import numpy as np
+
+    cache = _array((8, 16, 4, 128), (8192, 512, 128, 1))
+    slots = _array((40,), (1,))
+    assert _rerotate_key(cache, slots, True) is None  # a bool delta: the full path refuses it
+    assert _rerotate_key(cache, slots, "7") is None
+    assert _rerotate_key(cache, slots, np.int64(7)) is None  # NumPy numbers: the full path
+    assert _rerotate_key(cache, slots, np.arange(40)) is None  # a host array
+    assert _rerotate_key(cache, slots, 7, k_scale="per_head") is None
+    assert _rerotate_key(cache, slots, 7, k_scale=np.float32(0.5)) is None
+    assert _rerotate_key(cache, slots, 7, cache_dtype=np.dtype("uint8")) is None  # a dtype
+    assert _rerotate_key(cache, slots, 7, rotary_dim=[64]) is None  # not a plain option
+    assert _rerotate_key(cache, slots, 7, scaling={"rope_type": ["x"], "f": {1}}) is None
+    assert _rerotate_key(np.zeros((8, 16, 4, 128)), slots, 7) is None  # a host cache

@@ -681,6 +681,64 @@ def test_torch_refuses_a_cache_that_requires_grad(rng):
         cr.rerotate_cache(cache, torch.tensor([1]), 3)
 
 
+@pytest.mark.parametrize("backend", backend_params(["cupy", "torch-cuda"]), indirect=True)
+@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("source", ["computed", "cache"])
+def test_repeat_calls_replay_the_first_launch(backend, rng, planned_rerotations, name, source):
+    """A call of a layout planned before replays that launch (cupyrope.cuda.recipes.rerotate_key)
+    on its own cache, slots and deltas, within one rounding of the float64 re-rotation; an int
+    delta or a scale of another value plans again, and so does a cache that another operand
+    overlaps, which the full path then refuses, writing nothing. torch: the replay bumps the
+    cache's version counter as the full path does."""
+    stored, rows64 = make_cache(rng, name, "NHD", block_size=16, head_dim=128, num_blocks=8,
+                                heads=4)
+    n = 100
+    kwargs = {"k_scale": FP8_SCALE[name]} if name in FP8 else {}
+    table = None
+    if source == "cache":
+        table = cr.cos_sin_cache(MAX_POSITION, 128, theta=THETA, dtype="float32")
+        kwargs["cos_sin_cache"] = backend.put(table)
+    for call in range(3):
+        slots = rng.permutation(128)[:n].astype(np.int64)
+        delta = rng.integers(0, MAX_POSITION, n)
+        cache, extra = put_cache(backend, stored)
+        version = cache._version if backend.framework == "torch" else None
+        out = cr.rerotate_cache(cache, backend.put(slots), backend.put(delta), **kwargs, **extra)
+        assert out is cache
+        if version is not None:
+            assert cache._version > version
+        _check_rerotated(slot_rows(get_cache(backend, out, name), "NHD"), stored, rows64, slots,
+                         delta, 128, False, table, name, "NHD")
+    assert len(planned_rerotations) == 1, "the second and third calls replay the first launch"
+    # An int delta is part of the key: each value plans once.
+    for value in (5, 6, 5):
+        cache, extra = put_cache(backend, stored)
+        cr.rerotate_cache(cache, backend.put(slots), value, **kwargs, **extra)
+        _check_rerotated(slot_rows(get_cache(backend, cache, name), "NHD"), stored, rows64, slots,
+                         np.full(n, value), 128, False, table, name, "NHD")
+    assert len(planned_rerotations) == 3
+    if name in FP8:  # a scale of another value: planned again
+        cache, extra = put_cache(backend, stored)
+        cr.rerotate_cache(cache, backend.put(slots), 5, **{**kwargs, "k_scale": 0.5}, **extra)
+        assert len(planned_rerotations) == 4
+    # slots inside the cache's own memory: the replay's guard sends the call to the full path,
+    # which refuses it before anything is written.
+    cache, extra = put_cache(backend, stored)
+    if backend.framework == "torch":
+        import torch
+
+        as_slots = cache.view(-1).view(torch.uint8)[:8 * n].view(torch.int64)
+    else:
+        as_slots = cache.reshape(-1).view(np.uint8)[:8 * n].view(np.int64)
+    before = get_cache(backend, cache, name).copy()
+    planned = len(planned_rerotations)
+    with pytest.raises(ValueError, match="k_cache shares memory with slots"):
+        cr.rerotate_cache(cache, as_slots, 5, **kwargs, **extra)
+    assert len(planned_rerotations) == planned
+    np.testing.assert_array_equal(get_cache(backend, cache, name).view(np.uint8),
+                                  before.view(np.uint8))
+
+
 @pytest.mark.gpu
 def test_torch_cuda_graph_replays_with_new_deltas(rng):
     """One launch, no allocation or synchronisation: captured after one warm call, a replay

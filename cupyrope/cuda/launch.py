@@ -25,11 +25,12 @@ from ..core.arrays import ArrayInfo, cupy_module, mark_written, stream_is_captur
 from ..core.dtypes import ITEMSIZE
 from ..core.mrope import MROPE_INTERLEAVED, MROPE_NONE, MROPE_SECTIONED
 from ..core.fused_plan import STORE_FORMATS
+from ..core.overlap import byte_span
 from .compiler import KernelSpec, RerotateSpec, get_kernel, is_compiled
 from .compiler import angle_arithmetic as device_angle_arithmetic
 from ..core.plan import RopePlan, check_dense_heads, has_dense_heads
 from ..core.rerotate import RERO_PARAMS_DTYPE, RerotatePlan, plan_rerotate, rerotate_on_host
-from .recipes import LaunchRecipe
+from .recipes import LaunchRecipe, keep_rerotate_recipe
 
 # CUDA's grid limits (every GPU since compute capability 3.0).
 MAX_GRID_X, MAX_GRID_Y = 2**31 - 1, 65535
@@ -1643,15 +1644,21 @@ def rerotate_on_gpu(plan: RerotatePlan) -> LaunchRecipe:
     return recipe
 
 
-def run_rerotate(k_cache, slots, delta, **options):
+def run_rerotate(k_cache, slots, delta, key=None, **options):
     """:func:`cupyrope.rerotate_cache` on arrays that can be written (NumPy, CuPy, torch, DLPack
     producers): the checks (:func:`cupyrope.core.rerotate.plan_rerotate`), then one launch on the
-    GPU or the NumPy path on the host; the cache's version counter bumped (torch). Returns
-    ``k_cache``."""
+    GPU or the NumPy path on the host; the cache's version counter bumped (torch). ``key``: the
+    call's repeat key (:func:`cupyrope.cuda.recipes.rerotate_key`), under which the launch's
+    recipe is kept. Returns ``k_cache``."""
     plan = plan_rerotate(k_cache, slots, delta, **options)
     if not plan.is_empty:
         if plan.cache.on_gpu:
-            rerotate_on_gpu(plan)
+            recipe = rerotate_on_gpu(plan)
+            if key is not None:
+                infos = (plan.cache, plan.slots, plan.delta, plan.rope.cache, plan.scale.array)
+                keep_rerotate_recipe(recipe, [None if info is None else byte_span(info)
+                                              for info in infos], key,
+                                     plan.cache.kind == "torch")
         else:
             rerotate_on_host(plan)
         mark_written(plan.cache.obj)

@@ -17,6 +17,7 @@ from ..core.abi import DECODE_PARAMS_DTYPE, FUSION_PARAMS_DTYPE, PARAMS_DTYPE
 from ..core.arrays import (GPU_KINDS, bump_versions, cupy_module, current_stream, gpu_array_key,
                      grad_enabled, inference_mode_enabled, new_gpu_outputs)
 from .dependent_launch import DependentLauncher
+from ..core.rerotate import RERO_PARAMS_DTYPE
 from ..core.scaling import exact_key
 
 _ArgumentPointers = ctypes.c_void_p * 1
@@ -30,6 +31,10 @@ FUSION_POINTERS = ("q_weight", "k_weight", "q_scale", "k_scale", "v_scale", "v",
                    "v_cache", "slot_mapping")
 _FUSION_DATA_POINTERS = struct.Struct("<9Q")
 assert [FUSION_PARAMS_DTYPE.fields[name][1] for name in FUSION_POINTERS] == list(range(0, 72, 8))
+# RerotateParams (a re-rotation's second struct) leads with its four data pointers.
+REROTATE_POINTERS = ("cache", "slots", "delta", "scale")
+_REROTATE_DATA_POINTERS = struct.Struct("<4Q")
+assert [RERO_PARAMS_DTYPE.fields[name][1] for name in REROTATE_POINTERS] == [0, 8, 16, 24]
 
 
 class LaunchRecipe:
@@ -37,8 +42,8 @@ class LaunchRecipe:
     the same shapes, strides, dtypes and alignment only fills in pointers and launches."""
 
     __slots__ = ("function_ptr", "device", "grid", "block", "shared_bytes", "sin_offset", "vector",
-                 "keep_alive", "spec", "torch", "in_place_checks", "out_dtype", "_words",
-                 "_fusion_words",
+                 "keep_alive", "spec", "torch", "in_place_checks", "out_dtype", "fusion_pointers",
+                 "_words", "_fusion_words",
                  "_argv_address",
                  "_argv", "_lock", "_runtime", "_driver", "_head", "_dependent")
 
@@ -56,6 +61,9 @@ class LaunchRecipe:
         self.torch = False  # torch arrays: in-place writes bump their version counters
         self.in_place_checks = ()  # see guard_written
         self.out_dtype = None  # a fused call's fp8 output dtype (new outputs of a replay)
+        # The data pointers that lead the second struct, packed at once: FusionParams' nine, or
+        # RerotateParams' four (REROTATE_POINTERS).
+        self.fusion_pointers = _FUSION_DATA_POINTERS
         # The parameter block is reused: only its pointer fields change between calls, and
         # cuLaunchKernel copies it before returning, so a lock around fill + launch suffices.
         # (RopeParams, or the decode kernel's DecodeParams: both lead with the data pointers)
@@ -81,7 +89,8 @@ class LaunchRecipe:
 
     def launch(self, like, q, k, q_out, k_out, positions, cos, sin, fusion=None) -> None:
         """Launch on ``like``'s current stream with these data pointers (0 for absent ones);
-        ``fusion``: the FusionParams pointers of a fused launch, in FUSION_POINTERS order."""
+        ``fusion``: the pointers that lead the second struct (FusionParams' in FUSION_POINTERS
+        order; a re-rotation's RerotateParams' in REROTATE_POINTERS order)."""
         if self.sin_offset is not None:
             sin = cos + self.sin_offset
         runtime = self._runtime
@@ -94,7 +103,7 @@ class LaunchRecipe:
             with self._lock:
                 _DATA_POINTERS.pack_into(self._words, 0, q, k, q_out, k_out, positions, cos, sin)
                 if fusion is not None:
-                    _FUSION_DATA_POINTERS.pack_into(self._fusion_words, 0, *fusion)
+                    self.fusion_pointers.pack_into(self._fusion_words, 0, *fusion)
                 if self._dependent is None:
                     self._driver.launchKernel(*self._head, stream, self._argv_address, 0)
                 else:
@@ -395,3 +404,68 @@ def replay_fused(recipe: LaunchRecipe, q, k, caches, pointers, inplace: bool):
     if caches is not None:
         return q_out, k_out, caches[0], caches[1]
     return q_out if k is None else (q_out, k_out)
+
+
+# rerotate_cache's operands, in the order of its key's pointers: the delta and the scale may be
+# numbers (an option of the key then, by value).
+REROTATE_OPERANDS = ("k_cache", "slots", "delta", "cos_sin_cache", "k_scale")
+_REROTATE_NUMBERS = (2, 4)
+_REROTATE_NUMBER_PLACES = frozenset(_REROTATE_NUMBERS)
+
+
+def rerotate_key(arrays: tuple, options: tuple):
+    """(hashable key, pointers in REROTATE_OPERANDS order) of a ``rerotate_cache`` call from its
+    own arguments, else None (the full path decides): ``arrays`` its operands in
+    REROTATE_OPERANDS order, ``options`` ``(theta, scaling, interleaved, rotary_dim, layout,
+    cache_dtype, seq_len)`` as given. As :func:`fast_fused_key`: every operand's metadata, every
+    option with its type (scaling by :func:`exact_key`), a delta or scale given as a number by
+    type and value; options of other types (a dtype object as cache_dtype) form none. Planned
+    every call, a re-rotation took 156-173 µs of an H200 host's time, 19-21x ``torch.mul``;
+    replayed 12-13 µs (docs/perf_log.md, "rerotate_cache's repeat calls")."""
+    scaling = options[1]
+    rest = options[:1] + options[2:]
+    types = tuple(map(type, rest))
+    if not _PLAIN_OPTION_TYPES.issuperset(types):
+        return None
+    operands = _operands_key(arrays, _REROTATE_NUMBER_PLACES)
+    if operands is None:
+        return None
+    metas, pointers = operands
+    numbers = ()
+    for place in _REROTATE_NUMBERS:
+        value = arrays[place]
+        if value is not None and metas[place] is None:
+            if type(value) not in _NUMBER_TYPES:
+                return None  # a bool or a string: the full path refuses it
+            numbers += (place, type(value), value)
+    try:
+        key = ("rerotate_cache", tuple(metas), rest, types,
+               None if scaling is None else exact_key(scaling), numbers)
+        hash(key)
+    except TypeError:  # an unhashable option: full path
+        return None
+    return key, pointers
+
+
+def replay_rerotate(recipe: LaunchRecipe, cache, pointers):
+    """Run a re-rotation's recipe on new operands (written in place: ``cache``); None when the
+    full path must decide instead."""
+    if recipe.in_place_checks and not _meets_as_checked(recipe, pointers):
+        return None
+    if recipe.torch and cache.is_inference() and not inference_mode_enabled():
+        return None  # torch refuses this write: the full path raises its error
+    cache_ptr, slots_ptr, delta_ptr, table_ptr, scale_ptr = pointers
+    recipe.launch(cache, 0, 0, 0, 0, 0, table_ptr, 0, (cache_ptr, slots_ptr, delta_ptr, scale_ptr))
+    if recipe.torch:
+        bump_versions((cache,))
+    return cache
+
+
+def keep_rerotate_recipe(recipe: LaunchRecipe, spans, key, torch: bool) -> None:
+    """Keep a re-rotation's recipe under ``key`` (:func:`rerotate_key`), guarded so that a replay
+    writes the cache only where it meets the other operands (``spans``, in REROTATE_OPERANDS
+    order) as the full path checked."""
+    recipe.torch = torch
+    recipe.fusion_pointers = _REROTATE_DATA_POINTERS
+    guard_written(recipe, spans, key[1], (0,))
+    recipes.put(key[0], recipe)
