@@ -191,6 +191,31 @@ class RopeBench:
         self._report(group, shape, impl, work, None, None, target_ratio=bm.host_target_ratio(impl),
                      copy=lambda: self._copy_host(data), bandwidth=False)
 
+    def host_workload(self, group: str, shape: bm.RopeShape, impl: str, make, copy, *,
+                      rounds: int = HOST_ROUNDS) -> None:
+        """Host wall time per eager call of an op's workload ``make()`` on its first argument
+        set (300 calls, one synchronise; timer: synced_wall_clock), against that of the copy
+        workload ``copy()``."""
+        import torch
+
+        work = _guarded(impl, make)
+        args = work.arg_sets[0]
+
+        def warm():
+            for _ in range(3):
+                work.fn(*args)
+            torch.cuda.synchronize()
+
+        def copy_host() -> float:
+            reference = copy()
+            return bm.host_time_us(reference.fn, args=reference.arg_sets[0])
+
+        _guarded(impl, warm)
+        self.benchmark.group = group
+        self.benchmark.pedantic(work.fn, args=args, rounds=rounds, iterations=bm.HOST_LOOP,
+                                warmup_rounds=1)
+        self._report(group, shape, impl, work, None, None, copy=copy_host, bandwidth=False)
+
     def workload(self, group: str, shape: bm.RopeShape, impl: str, make, copy, *,
                  graph: bool = False, rounds: int = ROUNDS) -> None:
         """An op's workload ``make()`` against the SM copy workload ``copy()`` of its bytes in

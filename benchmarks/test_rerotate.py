@@ -13,7 +13,9 @@ a scale) and implementation:
 - ``unfused-compile``: ``torch.compile`` of the gather / rotate / scatter sequence with the table.
 
 N = 4096, 16384, 65536: GPU time per eager call, sets of (cache, slots, deltas) rotating so that
-every call reads DRAM. N = 32 and 512: GPU time per call in a CUDA graph of 20 calls.
+every call reads DRAM. N = 32 and 512: GPU time per call in a CUDA graph of 20 calls. N = 32,
+``test_rerotate_host_time``: host time per eager call (300 calls, one synchronise) against the
+copy's, a repeat call replaying its launch (``recipes.rerotate_key``).
 """
 
 from __future__ import annotations
@@ -129,3 +131,13 @@ def test_rerotate_graph(rope_bench, fmt, slots, impl):
     rope_bench.workload(_group(f"CUDA graph of {bm.GRAPH_CALLS} calls", slots, fmt),
                         bm.RopeShape(tokens=slots), impl, lambda: workload(impl, data),
                         lambda: workload("copy", data), graph=True)
+
+
+@pytest.mark.benchmark(timer=bm.synced_wall_clock)
+@pytest.mark.parametrize("impl", IMPLS[:3])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rerotate_host_time(rope_bench, fmt, impl):
+    data = _DATA.get(SMALL[0], fmt, bm.GRAPH_CALLS)
+    rope_bench.host_workload(_group(f"host time (loop of {bm.HOST_LOOP})", SMALL[0], fmt),
+                             bm.RopeShape(tokens=SMALL[0]), impl, lambda: workload(impl, data),
+                             lambda: workload("copy", data))
