@@ -122,6 +122,22 @@ def spy(monkeypatch):
             return result
 
         monkeypatch.setattr(compat.hf, name, recording)
+    # A QK-norm layer's repeat calls replay through rms_norm_rope_repeat (positional arguments;
+    # None when the call must be made in full): recorded as the rms_norm_rope call they stand for.
+    repeat = compat.hf.rms_norm_rope_repeat
+
+    def recording_repeat(q, k, q_weight, k_weight, eps, weight_offset, cos, sin, norm_over,
+                         inplace):
+        before = (q.detach().clone(), k.detach().clone()) if inplace else (q, k)
+        result = repeat(q, k, q_weight, k_weight, eps, weight_offset, cos, sin, norm_over,
+                        inplace)
+        if result is not None:
+            kwargs = dict(eps=eps, weight_offset=weight_offset, cos=cos, sin=sin,
+                          norm_over=norm_over, inplace=inplace)
+            calls["rms_norm_rope"].append(((*before, q_weight, k_weight), kwargs, result))
+        return result
+
+    monkeypatch.setattr(compat.hf, "rms_norm_rope_repeat", recording_repeat)
     return calls
 
 
