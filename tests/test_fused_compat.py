@@ -110,9 +110,12 @@ def _adapter_key_is_its_calls(monkeypatch, adapter_key, adapter, op_name: str, a
     """An adapter's repeat key on its arguments as given against the fast key of the one cupyrope
     call it makes: different keys, the same pointers (CPU tensors standing in for CUDA ones:
     get_device answers 0). Returns the adapter's (key, pointers)."""
-    from cupyrope import api
+    from cupyrope import api, execute
     from cupyrope.core import arrays as array_info
 
+    # The recipes of earlier GPU tests are forgotten first: CPU tensors passing for CUDA ones
+    # would otherwise replay a real launch on host pointers (an illegal address on a GPU host).
+    execute.clear()
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
     monkeypatch.setitem(array_info.GPU_KINDS, torch.Tensor, "torch")
     made = []
