@@ -367,8 +367,10 @@ def _norm_rotation(q_attr: str, k_attr: str, norms_after_transpose: bool, rotary
                    over_projection: bool = False, projections=None):
     """The rotation of a rewritten QK-norm forward: q and k arrive as the ``[B, S, H, D]``
     projections before their norms (``self.<q_attr>``, ``self.<k_attr>``) and leave normalised
-    and rotated, still ``[B, S, H, D]`` (the forward transposes them after the call), through one :func:`cupyrope.rms_norm_rope` launch
-    (``over_projection``: the norm of each whole projection, all heads together, as OLMo 2's).
+    and rotated, still ``[B, S, H, D]`` (the forward transposes them after the call), through
+    one :func:`cupyrope.rms_norm_rope` launch (``over_projection``: the norm of each whole
+    projection, all heads together, as OLMo 2's); its repeat calls through
+    :func:`cupyrope.api.rms_norm_rope_repeat`.
     Calls the fused op cannot take as Hugging Face computes them run the layer's own norms, in
     the layer's own order (before or after the transpose, or on the projection), then
     ``rotary`` (what replaced the module's apply_rotary_pos_emb). ``projections``: the modules

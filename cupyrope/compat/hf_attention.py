@@ -7,10 +7,10 @@ normalises the whole projection before the view) and call
 ``apply_rotary_pos_emb(q, k, cos, sin)``. :func:`attention_form` reads the source of such a
 ``forward``; :meth:`AttentionForm.build` compiles a copy of it in which the rotation statement
 calls a given function on the projections' own ``[B, S, H, D]`` views (the transposes of q and k
-move after that call) and, for the fused build, on the projections before
-their norms, so that one call normalises and rotates. Every other statement is the class's own
-code, compiled against its own module's globals: the attention mask, KV cache, attention backend,
-sliding window and soft-capping stay exactly as Hugging Face wrote them.
+move after that call) and, for the fused build, on the projections before their norms, so that
+one call normalises and rotates. Every other statement is the class's own code, compiled
+against its own module's globals: the attention mask, KV cache, attention backend, sliding
+window and soft-capping stay exactly as Hugging Face wrote them.
 
 A forward that does not have exactly this shape is not rewritten (``attention_form`` returns
 None): q and k must be assigned ``<expr>.transpose(1, 2)`` at the top level of the body, read by
@@ -130,10 +130,10 @@ class AttentionForm:
         ``[B, S, H, D]`` projections (not transposed), ``rotate`` returns them rotated, still
         ``[B, S, H, D]``, and the layer's own transposes follow the call (so that the call is
         the rotation alone, and a layer makes as many views patched as not). ``fused``: q and k
-        reach ``rotate`` before their
-        norms, which ``rotate`` applies (only when :attr:`can_fuse`); otherwise the norms stay
-        where the layer has them (a norm after the transpose then sees ``[B, S, H, D]``, which
-        is the same per-head norm only for a norm over the last dim: the caller checks)."""
+        reach ``rotate`` before their norms, which ``rotate`` applies (only when
+        :attr:`can_fuse`); otherwise the norms stay where the layer has them (a norm after the
+        transpose then sees ``[B, S, H, D]``, which is the same per-head norm only for a norm
+        over the last dim: the caller checks)."""
         if fused and not self.can_fuse:
             raise ValueError(f"{self.function.__qualname__}: q and k have no norms to fuse")
         tree = copy.deepcopy(self.tree)
