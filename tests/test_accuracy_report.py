@@ -5,24 +5,15 @@ rounding level at every position up to 2^24 (the accuracy contract's range), whi
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 
 import cupyrope as cr
+import repo_scripts
 
-_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                       "accuracy_report.py")
-if not os.path.exists(_SCRIPT):  # an installed copy of the tests without the repository's scripts/
-    pytest.skip("scripts/accuracy_report.py is not in this checkout", allow_module_level=True)
-_spec = importlib.util.spec_from_file_location("accuracy_report", _SCRIPT)
-report_module = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("accuracy_report", report_module)  # dataclasses look their module up there
-_spec.loader.exec_module(report_module)
+report_module = repo_scripts.load("accuracy_report")
 
 U32 = 2.0**-24
 # A unit vector whose cos and sin are each rounded to float32 points at most ~2^-24 * sqrt(2) rad
