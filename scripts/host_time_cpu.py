@@ -87,9 +87,20 @@ def calls(batch: int = 8):
     slots = torch.randperm(1024)[:32]
     delta = torch.randint(0, 4096, (32,))
     table = torch.randn(4096, 128)
+    # rope_and_cache of B tokens ([B, H, D] rows), positions into the table, a paged cache
+    tokens_q, tokens_k = q.view(batch, 32, 128), k.view(batch, 8, 128)
+    v = torch.randn(batch, 8, 128, **bf16)
+    positions = torch.randint(0, 4096, (batch,))
+    v_cache = torch.empty_like(cache)
+    slot_mapping = torch.randperm(1024)[:batch]
     return {
         "apply_rope in place": (lambda: cr.apply_rope(q, k, cos=cos, sin=sin, inplace=True),
                                 _guards(2, 2)),
+        "apply_rope": (lambda: cr.apply_rope(q, k, cos=cos, sin=sin), 0),
+        "rope_and_cache in place": (
+            lambda: cr.rope_and_cache(tokens_q, tokens_k, v, positions, cache, v_cache,
+                                      slot_mapping, cos_sin_cache=table),
+            _guards(4, 4)),  # q, k and both caches written; v, positions, table, slot mapping
         "rms_norm_rope in place": (lambda: cr.rms_norm_rope(q, k, weight, weight, eps=1e-6,
                                                             cos=cos, sin=sin, inplace=True),
                                    _guards(2, 4)),  # one weight tensor, keyed twice
