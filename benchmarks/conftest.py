@@ -171,31 +171,18 @@ class RopeBench:
 
     def host(self, tokens: int, impl: str, *, rounds: int = HOST_ROUNDS) -> None:
         """Host wall time per eager call: 300 calls, one synchronise (timer: synced_wall_clock)."""
-        import torch
-
         shape = bm.RopeShape(tokens=tokens)
         data = _DATA.get(shape, num_sets=bm.GRAPH_CALLS)
-        work = _guarded(impl, lambda: bm.make_workload(impl, data))
-        args = work.arg_sets[0]
-
-        def warm():
-            for _ in range(3):
-                work.fn(*args)
-            torch.cuda.synchronize()
-
-        _guarded(impl, warm)
         group = f"host time per eager call (loop of {bm.HOST_LOOP}, one synchronise): T={tokens}"
-        self.benchmark.group = group
-        self.benchmark.pedantic(work.fn, args=args, rounds=rounds, iterations=bm.HOST_LOOP,
-                                warmup_rounds=1)
-        self._report(group, shape, impl, work, None, None, target_ratio=bm.host_target_ratio(impl),
-                     copy=lambda: self._copy_host(data), bandwidth=False)
+        self.host_workload(group, shape, impl, lambda: bm.make_workload(impl, data),
+                           lambda: bm.make_workload("copy", data), rounds=rounds,
+                           target_ratio=bm.host_target_ratio(impl))
 
     def host_workload(self, group: str, shape: bm.RopeShape, impl: str, make, copy, *,
-                      rounds: int = HOST_ROUNDS) -> None:
+                      rounds: int = HOST_ROUNDS, target_ratio: float | None = None) -> None:
         """Host wall time per eager call of an op's workload ``make()`` on its first argument
         set (300 calls, one synchronise; timer: synced_wall_clock), against that of the copy
-        workload ``copy()``."""
+        workload ``copy()`` (``target_ratio``: the contract's bound on the ratio, if any)."""
         import torch
 
         work = _guarded(impl, make)
@@ -214,7 +201,8 @@ class RopeBench:
         self.benchmark.group = group
         self.benchmark.pedantic(work.fn, args=args, rounds=rounds, iterations=bm.HOST_LOOP,
                                 warmup_rounds=1)
-        self._report(group, shape, impl, work, None, None, copy=copy_host, bandwidth=False)
+        self._report(group, shape, impl, work, None, None, target_ratio=target_ratio,
+                     copy=copy_host, bandwidth=False)
 
     def workload(self, group: str, shape: bm.RopeShape, impl: str, make, copy, *,
                  graph: bool = False, rounds: int = ROUNDS) -> None:
@@ -244,11 +232,6 @@ class RopeBench:
     def _copy_eager(data: bm.RopeData) -> float:
         work = bm.make_workload("copy", data)
         return bm.gpu_time_us(work.fn, rotate_inputs=work.arg_sets)
-
-    @staticmethod
-    def _copy_host(data: bm.RopeData) -> float:
-        work = bm.make_workload("copy", data)
-        return bm.host_time_us(work.fn, args=work.arg_sets[0])
 
     @staticmethod
     def _copy_graph(data: bm.RopeData) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 from . import execute
 from .core.arrays import describe, mark_written, new_output
 from .core.fused_plan import PER_HEAD
-from .cuda.recipes import fast_fused_key, rerotate_key, rms_norm_rope_key
+from .cuda.recipes import fast_fused_key, rerotate_key
 
 # Any array cupyrope takes: CuPy, torch, JAX, NumPy or another DLPack producer.
 Array = Any
@@ -351,8 +351,10 @@ def rms_norm_rope_repeat(q, k, q_weight, k_weight, eps, weight_offset, cos, sin,
     function's keyword arguments are a measurable part of the host time."""
     if _compiling():
         return None
-    fast = rms_norm_rope_key(q, k, cos, sin, q_weight, k_weight, eps, weight_offset, inplace,
-                             norm_over)
+    fast = fast_fused_key("rms_norm_rope", (q, k, None, None, cos, sin, q_weight, k_weight,
+                                            None, None),
+                          (eps, weight_offset, 10000.0, None, False, None, False, inplace, None,
+                           None, norm_over))
     return None if fast is None else execute.replay_fast(fast, q, k, None, inplace)
 
 

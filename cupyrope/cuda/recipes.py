@@ -371,32 +371,6 @@ def fast_fused_key(op_name: str, arrays: tuple, options: tuple):
     return (op_name, tuple(metas), options, types, numbers), pointers
 
 
-_NONE, _FLOAT, _BOOL = type(None), float, bool
-# The options of rms_norm_rope_key's call that are always the defaults, and their types.
-_NORM_ROPE_DEFAULTS = (10000.0, None, False, None, False)
-_NORM_ROPE_DEFAULT_TYPES = (_FLOAT, _NONE, _BOOL, _NONE, _BOOL)
-
-
-def rms_norm_rope_key(q, k, cos, sin, q_weight, k_weight, eps, weight_offset, inplace,
-                      norm_over):
-    """:func:`fast_fused_key` of ``rms_norm_rope(q, k, q_weight, k_weight, eps=eps,
-    weight_offset=weight_offset, cos=cos, sin=sin, norm_over=norm_over, inplace=inplace)`` (every
-    other argument its default), the same key and pointers, formed without its general loops: a
-    patched QK-norm layer's repeat call (tests/test_recipe_key.py holds the two equal)."""
-    varying = (type(eps), type(weight_offset), type(inplace), type(norm_over))
-    if not _PLAIN_OPTION_TYPES.issuperset(varying):
-        return None
-    operands = _operands_key((q, k, cos, sin, q_weight, k_weight))
-    if operands is None:
-        return None
-    (mq, mk, mc, ms, mqw, mkw), (pq, pk, pc, ps, pqw, pkw) = operands
-    options = (eps, weight_offset, *_NORM_ROPE_DEFAULTS, inplace, None, None, norm_over)
-    types = (varying[0], varying[1], *_NORM_ROPE_DEFAULT_TYPES, varying[2], _NONE, _NONE,
-             varying[3])
-    return (("rms_norm_rope", (mq, mk, None, None, mc, ms, mqw, mkw, None, None), options, types,
-             ()), [pq, pk, 0, 0, pc, ps, pqw, pkw, *_ABSENT_POINTERS[8]])
-
-
 def _is_array(x) -> bool:
     return hasattr(x, "__dlpack__") or hasattr(x, "__array__") or hasattr(x, "__cuda_array_interface__")
 
